@@ -1,0 +1,56 @@
+"""distrain: tf.distribute-style distributed training with custom loops, native to JAX.
+
+Example:
+  >>> import distrain as dt
+  >>> strategy = dt.MirroredStrategy()
+  >>> with strategy.scope():
+  ...     state = strategy.put_replicated(dt.TrainState.create(params=p, tx=optax.adam(1e-3)))
+"""
+
+__version__ = "0.1.0"
+
+from distrain import experimental as experimental
+from distrain.context import ReduceOp as ReduceOp
+from distrain.context import ReplicaContext as ReplicaContext
+from distrain.context import get_replica_context as get_replica_context
+from distrain.context import get_strategy as get_strategy
+from distrain.context import has_strategy as has_strategy
+from distrain.context import in_cross_replica_context as in_cross_replica_context
+from distrain.cross_device_ops import AllReduce as AllReduce
+from distrain.cross_device_ops import CrossDeviceOps as CrossDeviceOps
+from distrain.cross_device_ops import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce
+from distrain.cross_device_ops import NcclAllReduce as NcclAllReduce
+from distrain.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
+from distrain.data.distributed import InputContext as InputContext
+from distrain.data.distributed import InputOptions as InputOptions
+from distrain.losses import compute_average_loss as compute_average_loss
+from distrain.losses import scale_regularization_loss as scale_regularization_loss
+from distrain.strategy.base import Strategy as Strategy
+from distrain.strategy.mirrored import MirroredStrategy as MirroredStrategy
+from distrain.strategy.one_device import OneDeviceStrategy as OneDeviceStrategy
+from distrain.train.state import TrainState as TrainState
+from distrain.values import PerReplica as PerReplica
+
+__all__ = [
+    "AllReduce",
+    "CrossDeviceOps",
+    "HierarchicalCopyAllReduce",
+    "InputContext",
+    "InputOptions",
+    "MirroredStrategy",
+    "NcclAllReduce",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReductionToOneDevice",
+    "ReplicaContext",
+    "Strategy",
+    "TrainState",
+    "compute_average_loss",
+    "experimental",
+    "get_replica_context",
+    "get_strategy",
+    "has_strategy",
+    "in_cross_replica_context",
+    "scale_regularization_loss",
+]

@@ -1,0 +1,1 @@
+"""Strategies (implementation package; import them from ``distrain``)."""

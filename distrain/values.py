@@ -1,0 +1,47 @@
+"""Distributed values: one component per replica, held as global ``jax.Array``s."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+
+class PerReplica:
+    """A value with one component per replica (``tf.distribute``'s ``PerReplica``).
+
+    ``value`` is a pytree of global arrays whose leading axis is split evenly over the
+    replicas, in replica order: replica ``i`` owns rows ``[i*k, (i+1)*k)`` of every leaf.
+    Batches from a distributed dataset are such values; so are the per-replica results of
+    ``strategy.run``, which add a leading axis of length ``num_replicas_in_sync``
+    (``stacked=True``: each replica's component is one row, without that axis).
+
+    Passed to ``strategy.run``, each replica receives its own component.
+
+    Example:
+      >>> losses = strategy.run(step, args=(state, batch))[1]   # a PerReplica
+      >>> strategy.experimental_local_results(losses)           # tuple, one per replica
+    """
+
+    __slots__ = ("value", "stacked", "num_replicas")
+
+    def __init__(self, value: Any, num_replicas: int, *, stacked: bool = False) -> None:
+        self.value = value
+        self.num_replicas = num_replicas
+        self.stacked = stacked
+
+    def __repr__(self) -> str:
+        shapes = jax.tree.map(lambda x: tuple(x.shape), self.value)
+        kind = "stacked" if self.stacked else "split"
+        return f"PerReplica({kind}, num_replicas={self.num_replicas}, shapes={shapes})"
+
+
+def _flatten(pr: PerReplica) -> tuple[tuple[Any], tuple[int, bool]]:
+    return (pr.value,), (pr.num_replicas, pr.stacked)
+
+
+def _unflatten(aux: tuple[int, bool], children: tuple[Any]) -> PerReplica:
+    return PerReplica(children[0], aux[0], stacked=aux[1])
+
+
+jax.tree_util.register_pytree_node(PerReplica, _flatten, _unflatten)
