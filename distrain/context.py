@@ -100,7 +100,7 @@ class ReplicaContext:
 
     @property
     def replica_id_in_sync_group(self) -> jax.Array | int:
-        """This replica's index, ``0 .. num_replicas_in_sync - 1`` (a traced value under ``run``)."""
+        """This replica's index in ``0 .. num_replicas_in_sync - 1`` (traced under ``run``)."""
         if self._axis_name is None:
             return 0
         return jax.lax.axis_index(self._axis_name)

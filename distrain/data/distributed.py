@@ -104,8 +104,10 @@ def _per_replica(global_batch_size: int, num_replicas: int) -> int:
 def _batch_size(leaves: list[Any], treedef: Any) -> int:
     sizes = {int(np.shape(x)[0]) if np.ndim(x) else None for x in leaves}
     if len(sizes) != 1 or None in sizes:
-        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(
-            treedef.unflatten(leaves))]
+        paths = [
+            jax.tree_util.keystr(p)
+            for p, _ in jax.tree_util.tree_leaves_with_path(treedef.unflatten(leaves))
+        ]
         shapes = {p: tuple(np.shape(x)) for p, x in zip(paths, leaves, strict=True)}
         raise ValueError(
             "Every leaf of a batch must have the same leading (batch) dimension. "
@@ -138,8 +140,9 @@ def shard_local_batch(strategy: Strategy, batch: Any) -> PerReplica:
     if jax.process_count() == 1:
         arrays = jax.device_put(leaves, strategy._split)
     else:
-        arrays = [jax.make_array_from_process_local_data(strategy._split, np.asarray(x))
-                  for x in leaves]
+        arrays = [
+            jax.make_array_from_process_local_data(strategy._split, np.asarray(x)) for x in leaves
+        ]
     return PerReplica(treedef.unflatten(arrays), strategy.num_replicas_in_sync)
 
 
@@ -292,8 +295,15 @@ class DistributedIterator:
         if opts.mask_key in batch and not partial:
             return batch
         pad = self._full_size - size
-        out = {k: np.concatenate([np.asarray(v), np.zeros((pad, *np.shape(v)[1:]), np.asarray(v).dtype)])
-               if pad else v for k, v in batch.items() if k != opts.mask_key}
+        out = {
+            k: np.concatenate(
+                [np.asarray(v), np.zeros((pad, *np.shape(v)[1:]), np.asarray(v).dtype)]
+            )
+            if pad
+            else v
+            for k, v in batch.items()
+            if k != opts.mask_key
+        }
         mask = np.asarray(batch.get(opts.mask_key, np.ones(size, np.float32)), np.float32)
         out[opts.mask_key] = np.concatenate([mask, np.zeros(pad, np.float32)])
         return out

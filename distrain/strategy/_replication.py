@@ -21,7 +21,9 @@ from typing import Any
 from jax.extend import core
 
 # All replicas hold the same result after these collectives.
-_SYNCING = frozenset({"psum", "pmax", "pmin", "all_gather", "psum_invariant", "all_gather_invariant"})
+_SYNCING = frozenset(
+    {"psum", "pmax", "pmin", "all_gather", "psum_invariant", "all_gather_invariant"}
+)
 # These produce values that differ per replica whatever their inputs.
 _VARYING = frozenset({"axis_index", "ppermute", "all_to_all", "psum_scatter", "reduce_scatter"})
 

@@ -226,7 +226,10 @@ class Strategy:
                 out_specs=[P(axis) if v else P() for v in varying],
                 check_vma=False,
             )(*arrays)
-            outs = [PerReplica(o, n, stacked=True) if v else o for o, v in zip(outs, varying)]
+            outs = [
+                PerReplica(o, n, stacked=True) if v else o
+                for o, v in zip(outs, varying, strict=True)
+            ]
             return out_tree.unflatten(outs)
 
         return jax.jit(global_fn)
@@ -253,7 +256,13 @@ class Strategy:
                     f"{self.num_replicas_in_sync} times). Received a {type(x).__name__}; pass "
                     "the PerReplica result of `strategy.run`, or use MEAN."
                 )
-            return x if axis is None else jnp.mean(x, axis) if op is ReduceOp.MEAN else jnp.sum(x, axis)
+            return (
+                x
+                if axis is None
+                else jnp.mean(x, axis)
+                if op is ReduceOp.MEAN
+                else jnp.sum(x, axis)
+            )
 
         return jax.tree.map(one, value, is_leaf=_is_per_replica)
 
@@ -279,7 +288,8 @@ class Strategy:
             return jax.tree.map(lambda a: _shard_on(a, device, x.stacked), x.value)
 
         return tuple(
-            jax.tree.map(lambda x: component(x, d), value, is_leaf=_is_per_replica) for d in local
+            jax.tree.map(functools.partial(component, device=d), value, is_leaf=_is_per_replica)
+            for d in local
         )
 
     # ---------------------------------------------------------------- inputs
@@ -310,7 +320,9 @@ class Strategy:
         from distrain.data.distributed import ValueContext
 
         n = self.num_replicas_in_sync
-        local = [(i, d) for i, d in enumerate(self._devices) if d.process_index == jax.process_index()]
+        local = [
+            (i, d) for i, d in enumerate(self._devices) if d.process_index == jax.process_index()
+        ]
         values = [value_fn(ValueContext(i, n)) for i, _ in local]
         leaves0, treedef = jax.tree.flatten(values[0])
         per_value = [jax.tree.leaves(v) for v in values]
@@ -318,12 +330,11 @@ class Strategy:
         for j, leaf in enumerate(leaves0):
             shape = (n, *np.shape(leaf))
             shards = [
-                jax.device_put(np.asarray(per_value[k][j])[None], d) for k, (_, d) in enumerate(local)
+                jax.device_put(np.asarray(per_value[k][j])[None], d)
+                for k, (_, d) in enumerate(local)
             ]
             out.append(jax.make_array_from_single_device_arrays(shape, self._split, shards))
-        return jax.tree.map(
-            lambda x: PerReplica(x, n, stacked=True), treedef.unflatten(out)
-        )
+        return jax.tree.map(lambda x: PerReplica(x, n, stacked=True), treedef.unflatten(out))
 
 
 def _width(kind: tuple) -> int:

@@ -39,7 +39,7 @@ def parse_device(spec: DeviceSpec, candidates: Sequence[jax.Device] | None = Non
 
 
 def parse_devices(specs: Sequence[DeviceSpec] | None) -> list[jax.Device]:
-    """Parses a list of device specs (``None``: all local devices); rejects empty or duplicate lists."""
+    """Parses device specs (``None``: all local devices); rejects empty or duplicate lists."""
     if specs is None:
         return list(jax.local_devices())
     if isinstance(specs, str | int | jax.Device):
