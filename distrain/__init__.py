@@ -9,6 +9,7 @@ Example:
 
 __version__ = "0.1.0"
 
+from distrain import data as data
 from distrain import experimental as experimental
 from distrain.context import ReduceOp as ReduceOp
 from distrain.context import ReplicaContext as ReplicaContext
@@ -47,6 +48,7 @@ __all__ = [
     "Strategy",
     "TrainState",
     "compute_average_loss",
+    "data",
     "experimental",
     "get_replica_context",
     "get_strategy",

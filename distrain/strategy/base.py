@@ -385,6 +385,8 @@ def _reducer(op: ReduceOp, axis: int | None, stacked: bool, n: int, out: NamedSh
 def _gatherer(axis: int, stacked: bool, n: int, out: NamedSharding):
     def f(x: jax.Array) -> jax.Array:
         g = _grouped(x, stacked, n)
+        if g.ndim == 1:  # scalar components: one row each
+            return g
         a = axis % (g.ndim - 1)
         g = jnp.moveaxis(g, 0, a)
         return g.reshape(*g.shape[:a], g.shape[a] * g.shape[a + 1], *g.shape[a + 2 :])
