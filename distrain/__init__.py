@@ -11,6 +11,15 @@ __version__ = "0.1.0"
 
 from distrain import data as data
 from distrain import experimental as experimental
+from distrain.cluster import AutoClusterResolver as AutoClusterResolver
+from distrain.cluster import ClusterResolver as ClusterResolver
+from distrain.cluster import CommunicationImplementation as CommunicationImplementation
+from distrain.cluster import CommunicationOptions as CommunicationOptions
+from distrain.cluster import EnvClusterResolver as EnvClusterResolver
+from distrain.cluster import SimpleClusterResolver as SimpleClusterResolver
+from distrain.cluster import TFConfigClusterResolver as TFConfigClusterResolver
+from distrain.cluster import initialize_distributed as initialize_distributed
+from distrain.cluster import resolve_cluster as resolve_cluster
 from distrain.context import ReduceOp as ReduceOp
 from distrain.context import ReplicaContext as ReplicaContext
 from distrain.context import get_replica_context as get_replica_context
@@ -28,24 +37,35 @@ from distrain.losses import compute_average_loss as compute_average_loss
 from distrain.losses import scale_regularization_loss as scale_regularization_loss
 from distrain.strategy.base import Strategy as Strategy
 from distrain.strategy.mirrored import MirroredStrategy as MirroredStrategy
+from distrain.strategy.multi_worker import (
+    MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
+)
 from distrain.strategy.one_device import OneDeviceStrategy as OneDeviceStrategy
 from distrain.train.state import TrainState as TrainState
 from distrain.values import PerReplica as PerReplica
 
 __all__ = [
     "AllReduce",
+    "AutoClusterResolver",
+    "ClusterResolver",
+    "CommunicationImplementation",
+    "CommunicationOptions",
     "CrossDeviceOps",
+    "EnvClusterResolver",
     "HierarchicalCopyAllReduce",
     "InputContext",
     "InputOptions",
     "MirroredStrategy",
+    "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "PerReplica",
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
+    "SimpleClusterResolver",
     "Strategy",
+    "TFConfigClusterResolver",
     "TrainState",
     "compute_average_loss",
     "data",
@@ -54,5 +74,7 @@ __all__ = [
     "get_strategy",
     "has_strategy",
     "in_cross_replica_context",
+    "initialize_distributed",
+    "resolve_cluster",
     "scale_regularization_loss",
 ]

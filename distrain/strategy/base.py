@@ -90,6 +90,11 @@ class Strategy:
         return len(self._devices)
 
     @property
+    def is_chief(self) -> bool:
+        """Whether this process prints progress and writes logs (process 0)."""
+        return jax.process_index() == 0
+
+    @property
     def cross_device_ops(self) -> CrossDeviceOps:
         return self._cross_device_ops
 

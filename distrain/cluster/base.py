@@ -1,0 +1,124 @@
+"""The cluster-resolver interface and the validation helpers every resolver shares."""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+
+# distrain's own environment variables (also written by `distrain launch`).
+ENV_COORDINATOR_ADDRESS = "DISTRAIN_COORDINATOR_ADDRESS"
+ENV_NUM_PROCESSES = "DISTRAIN_NUM_PROCESSES"
+ENV_PROCESS_ID = "DISTRAIN_PROCESS_ID"
+ENV_LOCAL_DEVICES = "DISTRAIN_LOCAL_DEVICES"
+ENV_LOCAL_DEVICE_IDS = "DISTRAIN_LOCAL_DEVICE_IDS"
+ENV_TF_CONFIG = "TF_CONFIG"
+
+# Task types TF_CONFIG may name. Only chief and worker tasks join the
+# synchronous mesh; ps and evaluator tasks are described by the resolver (a
+# parameter-server job or a side-car evaluator may use it) but get no process id.
+SYNC_TASK_TYPES = ("chief", "worker")
+TF_CONFIG_TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+
+
+def parse_address(address: object, *, field: str) -> tuple[str, int]:
+    """Splits "host:port" (or "[ipv6]:port") into host and port, validating both.
+
+    Args:
+        address: the address to check.
+        field: where the address came from, named in the error.
+
+    Returns:
+        (host, port).
+
+    Raises:
+        ValueError: the address is not a "host:port" string with a port in 1..65535.
+
+    Example:
+        >>> parse_address("[::1]:8476", field="x")
+        ('::1', 8476)
+    """
+    if not isinstance(address, str) or ":" not in address:
+        raise ValueError(
+            f"{field} must be a 'host:port' string, e.g. '10.0.0.1:8476'. Received: {address!r}."
+        )
+    host, port_text = address.rsplit(":", 1)
+    if host.startswith("[") and host.endswith("]"):
+        host = host[1:-1]
+    if not host or not port_text.isdigit() or not 0 < int(port_text) < 65536:
+        raise ValueError(
+            f"{field} must be a 'host:port' string with a port in 1..65535. Received: {address!r}."
+        )
+    return host, int(port_text)
+
+
+class ClusterResolver(abc.ABC):
+    """Describes the processes of a synchronous job and this process's place in it.
+
+    Process ids are dense, 0..num_processes-1; process 0 hosts the coordinator
+    and is the chief. `process_id` is None for a task outside the synchronous
+    mesh (a TF_CONFIG "ps" or "evaluator" task).
+    """
+
+    @property
+    @abc.abstractmethod
+    def coordinator_address(self) -> str | None:
+        """The "host:port" of process 0's coordinator; None when JAX detects it itself."""
+
+    @property
+    @abc.abstractmethod
+    def num_processes(self) -> int:
+        """Number of processes in the synchronous mesh."""
+
+    @property
+    @abc.abstractmethod
+    def process_id(self) -> int | None:
+        """This process's id in 0..num_processes-1, or None outside the mesh."""
+
+    @property
+    @abc.abstractmethod
+    def task_type(self) -> str:
+        """tf.distribute task type: "chief", "worker", "ps" or "evaluator"."""
+
+    @property
+    @abc.abstractmethod
+    def task_id(self) -> int:
+        """Index of this task among the tasks of its type."""
+
+    @property
+    @abc.abstractmethod
+    def local_device_count(self) -> int | None:
+        """Devices this process should have, or None for "whatever it has"."""
+
+    @property
+    @abc.abstractmethod
+    def local_device_ids(self) -> tuple[int, ...] | None:
+        """Ids of the local accelerators this process drives, or None for all."""
+
+    @property
+    def is_chief(self) -> bool:
+        """Whether this process prints progress, writes logs and summaries."""
+        return self.process_id == 0
+
+    def __repr__(self) -> str:
+        return (
+            f"{type(self).__name__}(coordinator_address={self.coordinator_address!r}, "
+            f"num_processes={self.num_processes}, process_id={self.process_id}, "
+            f"task_type={self.task_type!r}, task_id={self.task_id})"
+        )
+
+
+def check_count(value: object, *, field: str, minimum: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ValueError(f"{field} must be an integer >= {minimum}. Received: {value!r}.")
+    return value
+
+
+def check_device_ids(value: Sequence[int] | None, *, field: str) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    ids = tuple(value)
+    if not ids or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        raise ValueError(
+            f"{field} must be a non-empty list of device ids >= 0. Received: {value!r}."
+        )
+    return ids

@@ -1,0 +1,292 @@
+"""Starting JAX's distributed runtime from a cluster resolver, once, with clear failures.
+
+`initialize_distributed` wraps `jax.distributed.initialize` and adds what it
+lacks for a training framework:
+
+- it is idempotent (a second call with the same cluster is a no-op);
+- a coordinator that cannot be reached raises `TimeoutError` naming the
+  address within the timeout (JAX itself aborts the process with
+  "DEADLINE_EXCEEDED" and no address); a coordinator port already in use raises
+  `OSError` (JAX itself crashes);
+- processes that never all join end with a message naming the address and the
+  missing count, after the timeout, instead of JAX's bare abort;
+- every process must have the same number of local devices (a one-axis mesh
+  over all devices assumes it), checked from the global device list.
+
+A peer that dies later is JAX's business: the coordination service notices the
+missing heartbeats after `heartbeat_timeout` seconds and terminates every
+survivor with "the JAX distributed service detected fatal errors ... another
+task died". Nobody is left hanging in a collective.
+
+Example:
+    >>> from distrain.cluster import SimpleClusterResolver
+    >>> initialize_distributed(SimpleClusterResolver(None, 1, 0))  # one process: no-op
+    SimpleClusterResolver(coordinator_address=None, num_processes=1, process_id=0, ...)
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import socket
+import sys
+import threading
+import time
+
+import jax
+
+from distrain.cluster.base import ClusterResolver, parse_address
+from distrain.cluster.communication import CommunicationOptions
+from distrain.cluster.resolvers import resolve_cluster
+
+# (coordinator address, num_processes, process_id) of the cluster this process joined.
+_joined: tuple[str | None, int, int] | None = None
+_lock = threading.Lock()
+
+# Extra seconds JAX's own start-up timeout gets over ours, so that our message
+# (naming the address) comes first and JAX's abort is only a backstop.
+_JAX_TIMEOUT_MARGIN = 10
+# Exit status when the processes never all joined (JAX would abort with SIGABRT).
+EXIT_JOIN_TIMEOUT = 3
+
+
+def _backend_initialized() -> bool:
+    try:
+        from jax._src import xla_bridge
+
+        return bool(xla_bridge.backends_are_initialized())
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX version
+        return False
+
+
+def _requested_platforms() -> str:
+    return (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS") or "").lower()
+
+
+def wait_for_coordinator(address: str, timeout: float, *, poll_interval: float = 0.2) -> float:
+    """Waits until a TCP connection to `address` succeeds; returns the seconds it took.
+
+    Process 0 starts the coordinator, possibly after the others: so connection
+    failures are retried until `timeout` seconds have passed.
+
+    Args:
+        address: "host:port" of the coordinator.
+        timeout: seconds to keep trying.
+        poll_interval: seconds between attempts.
+
+    Raises:
+        TimeoutError: nothing accepted a connection at `address` within `timeout`.
+        ValueError: `address` is not "host:port".
+
+    Example:
+        >>> wait_for_coordinator("127.0.0.1:1", timeout=0.1)  # doctest: +SKIP
+        TimeoutError: Could not reach the coordinator at 127.0.0.1:1 within 0.1 s ...
+    """
+    host, port = parse_address(address, field="coordinator address")
+    start = time.monotonic()
+    last_error: OSError | None = None
+    while True:
+        remaining = timeout - (time.monotonic() - start)
+        if remaining <= 0:
+            break
+        try:
+            with socket.create_connection((host, port), timeout=min(remaining, 2.0)):
+                return time.monotonic() - start
+        except OSError as e:  # refused / unreachable / DNS: the coordinator may start later
+            last_error = e
+        time.sleep(min(poll_interval, max(0.0, timeout - (time.monotonic() - start))))
+    raise TimeoutError(
+        f"Could not reach the coordinator at {address} within {timeout:g} s "
+        f"(last error: {last_error}). Expected process 0 to be listening there: check that it "
+        "started, that the address and port are the same in every process, and that no "
+        "firewall blocks the port."
+    )
+
+
+def check_port_free(address: str) -> None:
+    """Raises if process 0 cannot listen on the port of `address` (JAX would crash).
+
+    Raises:
+        OSError: the port is already in use.
+
+    Example:
+        >>> check_port_free("127.0.0.1:1")  # doctest: +SKIP
+    """
+    _, port = parse_address(address, field="coordinator address")
+    # JAX's coordinator binds [::]:port; SO_REUSEADDR ignores TIME_WAIT leftovers of
+    # an earlier run on the same port, so only a live listener makes this fail.
+    family, host = (socket.AF_INET6, "::") if socket.has_ipv6 else (socket.AF_INET, "0.0.0.0")
+    try:
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:
+        family, host = socket.AF_INET, "0.0.0.0"
+        sock = socket.socket(family, socket.SOCK_STREAM)
+    with sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"Process 0 must start the coordinator on port {port} ({address}), but the port "
+                f"is already in use ({e.strerror}). Pick a free port (`distrain launch` does), "
+                "or stop the program holding it.",
+            ) from None
+
+
+def _start_join_watchdog(what: str, timeout: int, num_processes: int) -> threading.Timer:
+    def expire() -> None:
+        # The main thread is blocked inside JAX's C++ connect and cannot take an
+        # exception; JAX would abort a few seconds later without naming the address.
+        sys.stderr.write(
+            f"distrain: error: not all {num_processes} processes joined the cluster at {what} "
+            f"within {timeout} s. Expected every process to start with the same coordinator "
+            "address and number of processes and a distinct process id; check the logs of the "
+            "other processes.\n"
+        )
+        sys.stderr.flush()
+        os._exit(EXIT_JOIN_TIMEOUT)
+
+    timer = threading.Timer(timeout, expire)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
+def _set_local_devices(resolver: ClusterResolver) -> None:
+    count = resolver.local_device_count
+    platforms = _requested_platforms()
+    if count is not None and (platforms in ("", "cpu") or platforms.startswith("cpu")):
+        if not _backend_initialized():
+            jax.config.update("jax_num_cpu_devices", count)
+
+
+def _check_devices(resolver: ClusterResolver, options: CommunicationOptions) -> None:
+    options.check_platform(jax.default_backend())
+    expected = resolver.local_device_count
+    local = len(jax.local_devices())
+    if expected is not None and local != expected:
+        raise RuntimeError(
+            f"Process {jax.process_index()} expected {expected} local devices (from the cluster "
+            f"resolver, e.g. DISTRAIN_LOCAL_DEVICES) but has {local}. Set the device count "
+            "before JAX starts (XLA_FLAGS=--xla_force_host_platform_device_count on CPU) or "
+            "fix the resolver."
+        )
+    counts = collections.Counter(d.process_index for d in jax.devices())
+    if len(set(counts.values())) > 1:
+        listing = ", ".join(f"process {p}: {n}" for p, n in sorted(counts.items()))
+        raise RuntimeError(
+            "Every process must have the same number of local devices (the replica mesh "
+            f"spans all of them evenly). Received: {listing}. Give each process the same "
+            "devices (e.g. `distrain launch --devices-per-proc K`)."
+        )
+
+
+def initialize_distributed(
+    resolver: ClusterResolver | None = None,
+    options: CommunicationOptions | None = None,
+) -> ClusterResolver:
+    """Joins this process to the cluster `resolver` describes; safe to call again.
+
+    Call it before any other JAX call (JAX's rule): once JAX has created its
+    devices the process can no longer join a cluster.
+
+    Args:
+        resolver: the cluster; `resolve_cluster()` (env vars > TF_CONFIG > auto) by default.
+        options: collectives and timeouts; `CommunicationOptions.from_env()` by default.
+
+    Returns:
+        The resolver used.
+
+    Raises:
+        ValueError: the task is not part of the synchronous mesh (a "ps" or
+            "evaluator" task), or the collectives cannot run on this platform.
+        TimeoutError: the coordinator could not be reached within the timeout.
+        OSError: process 0 cannot listen on the coordinator port.
+        RuntimeError: a different cluster was already joined, JAX had already
+            started, or the processes' device counts differ.
+
+    Example:
+        >>> import distrain as dt  # with DISTRAIN_* set by `distrain launch`:
+        >>> initialize_distributed()  # doctest: +SKIP
+    """
+    global _joined
+    resolver = resolver if resolver is not None else resolve_cluster()
+    options = options if options is not None else CommunicationOptions.from_env()
+    if resolver.process_id is None:
+        raise ValueError(
+            f"Task {resolver.task_type}:{resolver.task_id} is not part of the synchronous "
+            "cluster: only 'chief' and 'worker' tasks run MultiWorkerMirroredStrategy. Run "
+            "'ps' tasks with the parameter-server strategy and evaluators without joining."
+        )
+    platforms = _requested_platforms()
+    if platforms and "cuda" not in platforms and "gpu" not in platforms:
+        options.check_platform(platforms.split(",")[0])
+    with _lock:
+        key = (resolver.coordinator_address, resolver.num_processes, resolver.process_id)
+        if _joined is not None:
+            if _joined != key and resolver.coordinator_address is not None:
+                raise RuntimeError(
+                    f"This process already joined a cluster (coordinator, processes, id) = "
+                    f"{_joined}; it cannot join {key} as well. A process belongs to one cluster "
+                    "for its lifetime: create one MultiWorkerMirroredStrategy and reuse it."
+                )
+            return resolver
+        if jax.distributed.is_initialized():
+            # Initialised by the user or a library: accept it if it agrees with the resolver.
+            got = (jax.process_count(), jax.process_index())
+            want = (resolver.num_processes, resolver.process_id)
+            if resolver.coordinator_address is not None and got != want:
+                raise RuntimeError(
+                    f"jax.distributed is already initialised as process {got[1]} of {got[0]}, "
+                    f"but the cluster resolver says process {want[1]} of {want[0]}. Initialise "
+                    "once, from the same cluster description."
+                )
+        elif resolver.num_processes > 1:
+            _join(resolver, options)
+        else:
+            _set_local_devices(resolver)
+        _check_devices(resolver, options)
+        _joined = key
+    return resolver
+
+
+def _join(resolver: ClusterResolver, options: CommunicationOptions) -> None:
+    if _backend_initialized():
+        raise RuntimeError(
+            "JAX has already created its devices in this process, so it can no longer join a "
+            "cluster. Create the MultiWorkerMirroredStrategy (or call initialize_distributed) "
+            "at the start of the program, before any jax.devices(), jax.numpy or jit call."
+        )
+    if options.cpu_collectives is not None:
+        jax.config.update("jax_cpu_collectives_implementation", options.cpu_collectives)
+    _set_local_devices(resolver)
+    address = resolver.coordinator_address
+    timeout = options.initialization_timeout
+    if address is not None:
+        if resolver.process_id == 0:
+            check_port_free(address)
+        else:
+            timeout = max(1, round(timeout - wait_for_coordinator(address, timeout)))
+    what = address if address is not None else "the address auto-detected by JAX"
+    watchdog = _start_join_watchdog(what, timeout, resolver.num_processes)
+    try:
+        kwargs = dict(
+            initialization_timeout=timeout + _JAX_TIMEOUT_MARGIN,
+            heartbeat_timeout_seconds=options.heartbeat_timeout,
+            shutdown_timeout_seconds=options.shutdown_timeout,
+        )
+        if address is None:
+            jax.distributed.initialize(**kwargs)
+        else:
+            ids = resolver.local_device_ids
+            jax.distributed.initialize(
+                coordinator_address=address,
+                num_processes=resolver.num_processes,
+                process_id=resolver.process_id,
+                local_device_ids=list(ids) if ids is not None else None,
+                cluster_detection_method="deactivate",
+                **kwargs,
+            )
+    finally:
+        watchdog.cancel()

@@ -1,0 +1,218 @@
+"""`distrain launch`: environment, output prefixes, stopping, restarting, exit codes.
+
+The quick tests launch small Python programs (no JAX); the last one trains with
+MultiWorkerMirroredStrategy, SIGKILLs one worker mid-run, and checks that the
+restarted job resumes from its dt.CheckpointManager checkpoint and ends with the
+parameters of an uninterrupted run.
+"""
+
+import importlib.util
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import distrain as dt
+from distrain.cluster import launch
+
+PY = sys.executable
+TRAIN = str(Path(__file__).parent / "scripts" / "mw_train.py")
+
+
+def py(code: str) -> list[str]:
+    return ["--", PY, "-c", code]
+
+
+def test_processes_get_cluster_variables_and_prefixed_output(capfd, monkeypatch):
+    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=8 --xla_other=1")
+    code = (
+        "import os; e = os.environ; print(e['DISTRAIN_PROCESS_ID'], e['DISTRAIN_NUM_PROCESSES'], "
+        "e['DISTRAIN_COORDINATOR_ADDRESS'], e['DISTRAIN_LOCAL_DEVICES'], "
+        "e['DISTRAIN_RESTART_COUNT'], e['DISTRAIN_TIMEOUT_SECONDS'], e['XLA_FLAGS'])"
+    )
+    argv = ["--nproc", "3", "--devices-per-proc", "2", "--timeout", "7", "--port", "29876"]
+    assert launch.main(argv + py(code)) == 0
+    out = capfd.readouterr()
+    lines = sorted(line for line in out.out.splitlines() if line.startswith("["))
+    flags = "--xla_other=1 --xla_force_host_platform_device_count=2"
+    assert lines == [f"[{i}] {i} 3 127.0.0.1:29876 2 0 7 {flags}" for i in range(3)]
+    assert "[launch] all processes finished" in out.err
+
+
+def test_carriage_returns_and_unterminated_lines_keep_the_prefix(capfd):
+    code = "import sys; sys.stdout.write('10%\\r50%\\r100%\\ndone'); sys.stdout.flush()"
+    assert launch.main(["--nproc", "1"] + py(code)) == 0
+    assert "[0] 10%\r[0] 50%\r[0] 100%\n[0] done\n" in capfd.readouterr().out
+
+
+def test_failure_stops_the_others_and_returns_its_status(capfd):
+    # Process 0 would sleep for a minute; process 1 fails at once.
+    code = (
+        "import os, sys, time\n"
+        "if os.environ['DISTRAIN_PROCESS_ID'] == '1': sys.exit(7)\n"
+        "time.sleep(60)"
+    )
+    start = time.monotonic()
+    assert launch.main(["--nproc", "2", "--grace-period", "1"] + py(code)) == 7
+    assert time.monotonic() - start < 20
+    err = capfd.readouterr().err
+    assert "[launch] process 1 exited with status 7; stopping the other processes" in err
+    assert "giving up after 1 attempt(s); exit status 7" in err
+
+
+def test_a_process_ignoring_sigterm_is_killed_after_the_grace_period(capfd, tmp_path):
+    code = (
+        "import os, signal, sys, time\n"
+        "if os.environ['DISTRAIN_PROCESS_ID'] == '1':\n"
+        "    time.sleep(1); sys.exit(1)\n"
+        "signal.signal(signal.SIGTERM, lambda *a: print('ignoring SIGTERM', flush=True))\n"
+        f"open({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\n"
+        "while True: time.sleep(0.1)"
+    )
+    start = time.monotonic()
+    assert launch.main(["--nproc", "2", "--grace-period", "1"] + py(code)) == 1
+    assert time.monotonic() - start < 20
+    assert "[0] ignoring SIGTERM" in capfd.readouterr().out
+    with pytest.raises(ProcessLookupError):
+        os.kill(int((tmp_path / "pid").read_text()), 0)
+
+
+def test_restarts_after_a_failure_until_success(capfd):
+    # Fails on the first two attempts, succeeds on the third.
+    code = "import os, sys; sys.exit(0 if os.environ['DISTRAIN_RESTART_COUNT'] == '2' else 3)"
+    assert launch.main(["--nproc", "2", "--max-restarts", "2"] + py(code)) == 0
+    err = capfd.readouterr().err
+    assert err.count("[launch] starting 2 processes") == 3
+    assert "restarting all processes (2 of 2)" in err
+    ports = {line.rsplit(":", 1)[1] for line in err.splitlines() if "coordinator" in line}
+    assert len(ports) == 3  # a fresh port for every attempt
+
+
+def test_out_of_restarts_returns_the_last_status_and_signals_as_128_plus(capfd):
+    code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
+    assert launch.main(["--nproc", "1", "--max-restarts", "1"] + py(code)) == 128 + 9
+    err = capfd.readouterr().err
+    assert "[launch] process 0 was killed by SIGKILL" in err
+    assert err.count("starting 1 processes") == 2
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (["--nproc", "0", "--", "x"], r"--nproc: expected an integer >= 1, received '0'"),
+        (["--nproc", "2", "--max-restarts", "-1", "--", "x"], r"expected an integer >= 0"),
+        (["--nproc", "2", "--timeout", "0", "--", "x"], r"--timeout: expected seconds > 0"),
+        (["--nproc", "2", "--port", "70000", "--", "x"], r"expected a port in 0..65535"),
+        (["--", "x"], r"the following arguments are required: --nproc"),
+    ],
+)
+def test_bad_arguments(capsys, argv, match):
+    with pytest.raises(SystemExit) as exc:
+        launch.main(argv)
+    assert exc.value.code == 2
+    assert re.search(match, capsys.readouterr().err)
+
+
+def test_missing_command(capsys):
+    assert launch.main(["--nproc", "2"]) == 2
+    assert "expected the program to run after '--'" in capsys.readouterr().err
+
+
+def test_sigterm_to_the_launcher_stops_every_process(tmp_path):
+    code = (
+        "import os, time\n"
+        f"open(os.path.join({str(tmp_path)!r}, os.environ['DISTRAIN_PROCESS_ID']), 'w')"
+        ".write(str(os.getpid()))\n"
+        "time.sleep(60)"
+    )
+    argv = [PY, "-m", "distrain.cluster.launch", "--nproc", "2", "--grace-period", "1"]
+    proc = subprocess.Popen(argv + py(code), start_new_session=True, stdout=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [int(p.read_text() or 0) for p in tmp_path.iterdir()]
+        assert len(pids) == 2 and all(pids)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=20) == 130
+        time.sleep(0.2)
+        for pid in pids:
+            with pytest.raises(ProcessLookupError):
+                os.kill(pid, 0)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def _train_env() -> dict:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DISTRAIN_")}
+    env.pop("TF_CONFIG", None)
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def _load_script(path: str):
+    spec = importlib.util.spec_from_file_location("mw_train", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _uninterrupted_reference(devices, steps: int, batch: int = 16) -> dict:
+    """The same training, in this process, on 2 devices (no kill, no checkpoint)."""
+    mw = _load_script(TRAIN)
+    strategy = dt.MirroredStrategy(devices[:2])
+    step_fn = mw.make_train_step(batch)
+    losses = []
+    with strategy.scope():
+        state = strategy.put_replicated(mw.initial_state())
+        for i in range(steps):
+            batch_i = strategy.distribute_batch(mw.global_batch(i, batch))
+            state, loss = strategy.run(step_fn, args=(state, batch_i))
+            losses.append(float(strategy.reduce("sum", loss)))
+    return {"losses": np.asarray(losses), **{k: np.asarray(v) for k, v in state.params.items()}}
+
+
+def test_killed_worker_is_restarted_and_resumes_from_its_checkpoint(tmp_path, devices):
+    # Process 1 SIGKILLs itself after step 3 (before saving it) on the first attempt.
+    cmd = [PY, "-m", "distrain.cluster.launch", "--nproc", "2", "--devices-per-proc", "1"]
+    cmd += ["--max-restarts", "1", "--grace-period", "1", "--timeout", "20", "--"]
+    cmd += [PY, TRAIN, "--out", str(tmp_path / "out"), "--ckpt", str(tmp_path / "ckpt")]
+    cmd += ["--ckpt-impl", "distrain", "--kill-at", "3", "--steps", "6"]
+    proc = subprocess.Popen(
+        cmd,
+        env=_train_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)  # the launcher stops its processes
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    log = out.decode(errors="replace")
+    assert proc.returncode == 0, log
+    assert "[1] killing myself at step 3" in log
+    assert "[launch] process 1 was killed by SIGKILL; stopping the other processes" in log
+    assert "[launch] restarting all processes (1 of 1)" in log
+    assert "[0] resumed from step 2" in log and "[1] resumed from step 2" in log
+    ref = _uninterrupted_reference(devices, steps=6)
+    for pid in (0, 1):
+        got = np.load(tmp_path / "out" / f"result_{pid}.npz")
+        assert int(got["start"]) == 2 and int(got["step"]) == 6
+        np.testing.assert_allclose(got["losses"], ref["losses"][2:], rtol=1e-6)
+        for name in ("w1", "b1", "w2", "b2"):
+            np.testing.assert_allclose(got[name], ref[name], rtol=1e-6, atol=1e-7)
