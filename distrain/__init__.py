@@ -9,8 +9,14 @@ Example:
 
 __version__ = "0.1.0"
 
+from distrain import checkpoint as checkpoint
 from distrain import data as data
 from distrain import experimental as experimental
+from distrain.checkpoint import PREEMPTION_EXIT_CODE as PREEMPTION_EXIT_CODE
+from distrain.checkpoint import CheckpointCorruptionError as CheckpointCorruptionError
+from distrain.checkpoint import CheckpointManager as CheckpointManager
+from distrain.checkpoint import PreemptionHandler as PreemptionHandler
+from distrain.checkpoint import Restored as Restored
 from distrain.cluster import AutoClusterResolver as AutoClusterResolver
 from distrain.cluster import ClusterResolver as ClusterResolver
 from distrain.cluster import CommunicationImplementation as CommunicationImplementation
@@ -47,6 +53,8 @@ from distrain.values import PerReplica as PerReplica
 __all__ = [
     "AllReduce",
     "AutoClusterResolver",
+    "CheckpointCorruptionError",
+    "CheckpointManager",
     "ClusterResolver",
     "CommunicationImplementation",
     "CommunicationOptions",
@@ -59,14 +67,18 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
+    "PREEMPTION_EXIT_CODE",
     "PerReplica",
+    "PreemptionHandler",
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
+    "Restored",
     "SimpleClusterResolver",
     "Strategy",
     "TFConfigClusterResolver",
     "TrainState",
+    "checkpoint",
     "compute_average_loss",
     "data",
     "experimental",

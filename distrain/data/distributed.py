@@ -19,9 +19,11 @@ iterator, counting only the batches the caller consumed (not those prefetched).
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import queue
 import threading
+import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -263,6 +265,11 @@ class DistributedIterator:
 
         self._thread = threading.Thread(target=work, daemon=True, name="distrain-prefetch")
         self._thread.start()
+        _LIVE.add(self)
+
+    def close(self) -> None:
+        """Stops the prefetch thread (also done for every live iterator at exit)."""
+        self._shutdown()
 
     def _shutdown(self) -> None:
         if self._thread is not None:
@@ -271,8 +278,6 @@ class DistributedIterator:
             self._thread = None
         self._queue = None
 
-    def __del__(self) -> None:
-        self._stop.set()
 
     # -- one batch
     def _prepare(self, batch: Any) -> Any | None:
@@ -312,3 +317,14 @@ class DistributedIterator:
         if self._ds._process_local:
             return shard_local_batch(self._ds._strategy, batch)
         return shard_global_batch(self._ds._strategy, batch)
+
+
+# A prefetch thread killed inside a JAX call at interpreter exit aborts the process
+# ("exception not rethrown"), so live threads are stopped and joined first.
+_LIVE: weakref.WeakSet[DistributedIterator] = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:
+    for it in list(_LIVE):
+        it.close()
