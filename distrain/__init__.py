@@ -47,7 +47,12 @@ from distrain.strategy.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
 from distrain.strategy.one_device import OneDeviceStrategy as OneDeviceStrategy
+from distrain.train import callbacks as callbacks
+from distrain.train import metrics as metrics
+from distrain.train.history import History as History
 from distrain.train.state import TrainState as TrainState
+from distrain.train.trainer import DataEndedError as DataEndedError
+from distrain.train.trainer import Trainer as Trainer
 from distrain.values import PerReplica as PerReplica
 
 __all__ = [
@@ -59,8 +64,10 @@ __all__ = [
     "CommunicationImplementation",
     "CommunicationOptions",
     "CrossDeviceOps",
+    "DataEndedError",
     "EnvClusterResolver",
     "HierarchicalCopyAllReduce",
+    "History",
     "InputContext",
     "InputOptions",
     "MirroredStrategy",
@@ -78,6 +85,8 @@ __all__ = [
     "Strategy",
     "TFConfigClusterResolver",
     "TrainState",
+    "Trainer",
+    "callbacks",
     "checkpoint",
     "compute_average_loss",
     "data",
@@ -87,6 +96,7 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "initialize_distributed",
+    "metrics",
     "resolve_cluster",
     "scale_regularization_loss",
 ]

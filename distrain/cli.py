@@ -1,0 +1,104 @@
+"""The ``distrain`` command.
+
+Subcommands:
+
+* ``distrain train --config FILE [key=value ...]``: one training run from a YAML
+  config (see ``configs/``); overrides use dotted keys, e.g. ``train.epochs=3``.
+* ``distrain launch [options] -- PROGRAM ...``: run N processes of a program on this
+  machine as one multi-worker job (see ``distrain launch --help``).
+
+Example:
+  $ distrain train --config configs/quickstart.yaml train.epochs=5
+  $ distrain launch --nproc 2 -- distrain train --config configs/quickstart.yaml \\
+        strategy.name=multi_worker_mirrored
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+_TRAIN_EPILOG = """\
+overrides:
+  key=value pairs with dotted keys, values parsed as YAML, checked like the file:
+    train.epochs=5  optimizer.learning_rate=0.003  model.kwargs.hidden=[64,64]
+    strategy.devices=[cpu:0,cpu:1]  logging.dir=runs/exp1  logging.tensorboard=true
+
+config sections: strategy, model, data, optimizer, train, logging, checkpoint
+  (documented in docs/getting_started.md and distrain/train/config.py)
+"""
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="distrain",
+        description="tf.distribute-style distributed training for JAX.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    train = sub.add_parser(
+        "train",
+        help="train from a YAML config",
+        description="Train a model from a YAML config (see configs/).",
+        epilog=_TRAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    train.add_argument("--config", required=True, metavar="FILE", help="the YAML run config")
+    train.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="config overrides (dotted keys)"
+    )
+    train.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the checked config (with overrides and defaults) and exit",
+    )
+    train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    # `launch` is parsed by distrain.cluster.launch; listed here for `distrain --help`.
+    sub.add_parser(
+        "launch",
+        help="run N processes of a program as one multi-worker job",
+        add_help=False,
+    )
+    return parser
+
+
+def _train(args: argparse.Namespace) -> int:
+    from distrain.train.config import ConfigError, config_to_dict, load_config
+
+    try:
+        cfg = load_config(args.config, args.overrides)
+    except ConfigError as e:
+        print(f"distrain train: error: {e}", file=sys.stderr)
+        return 2
+    if args.print_config:
+        import yaml
+
+        print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=None), end="")
+        return 0
+    from distrain.train.run import run_config
+
+    try:
+        run_config(cfg, progress_bar=not args.no_progress)
+    except ConfigError as e:
+        print(f"distrain train: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``distrain`` command; returns the exit status."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "launch":
+        from distrain.cluster.launch import main as launch_main
+
+        return launch_main(argv[1:])
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.command is None:
+        parser.print_help()
+        return 2
+    return _train(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,485 @@
+"""``Trainer``: ``fit``, ``evaluate`` and ``predict`` for a per-replica step function.
+
+Separation of concerns:
+
+* the **user** writes per-replica steps: ``train_step(state, batch) -> (state,
+  metrics)``, ``eval_step(state, batch) -> metrics``, ``predict_step(state, batch) ->
+  outputs``; ``state`` is any pytree (a ``dt.TrainState``, or two models and two
+  optimizers for a GAN);
+* the **strategy** places state and batches and compiles each replica function
+  (``strategy.run``), bounding the steps in flight;
+* the **distributed dataset** turns global batches into per-replica ones and keeps
+  the input position (``get_state``/``set_state``);
+* the **Trainer** (this module) owns the loop: epochs and steps, fusing
+  ``steps_per_execution`` steps into one dispatch, accumulating metrics on the device
+  and reading them only every ``log_every`` steps, validation, callbacks, and the
+  progress record (epoch, step, history, data position) that checkpoints store.
+
+The loop never waits for the device except to log (every ``log_every`` steps), at
+epoch ends, and when a callback reads values (e.g. a checkpoint save).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+from distrain.context import get_strategy
+from distrain.train import _functions as F
+from distrain.train import _inference
+from distrain.train.callbacks.base import Callback, CallbackList, StepInfo
+from distrain.train.history import History
+from distrain.train.metrics import Metric
+from distrain.train.progress import (
+    DataEndedError,
+    PassIterator,
+    steps_per_epoch_of,
+    sums_from_json,
+    sums_to_json,
+)
+
+__all__ = ["DataEndedError", "Trainer"]
+
+
+def _positive_int(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}.")
+    return int(value)
+
+
+def _optional_positive_int(name: str, value: Any) -> int | None:
+    return None if value is None else _positive_int(name, value)
+
+
+class Trainer:
+    """Runs per-replica step functions under a strategy: ``fit``, ``evaluate``, ``predict``.
+
+    Args:
+      strategy: the strategy to run on (default: ``dt.get_strategy()``).
+      train_step: ``train_step(state, batch) -> (new_state, metrics)``, called per
+        replica on the replica's part of the batch. ``metrics`` is a dict of scalars or
+        ``dt.metrics`` objects; they are summed over replicas as (total, count) so means
+        are exact on partial and padded batches.
+      eval_step: ``eval_step(state, batch) -> metrics`` for ``evaluate`` and validation.
+      predict_step: ``predict_step(state, batch) -> outputs`` (per-example arrays).
+      callbacks: ``dt.callbacks.Callback`` objects used by every ``fit``.
+      steps_per_execution: steps fused into one dispatch with ``lax.scan`` (``k`` batches
+        per ``strategy.run``); larger values cut per-step host overhead for small models.
+      log_every: steps between host syncs that read the metrics (progress bar,
+        TensorBoard, ``TerminateOnNaN``); epochs always end with one.
+      mask_key: batch key of the padding mask (``predict`` drops padded rows with it).
+
+    Raises:
+      TypeError / ValueError: for a non-callable step or non-positive integers.
+
+    Example:
+      >>> strategy = dt.MirroredStrategy()
+      >>> trainer = dt.Trainer(strategy, train_step, eval_step, log_every=50,
+      ...                      callbacks=[dt.callbacks.ProgressBar()])
+      >>> state, history = trainer.fit(state, train_data, epochs=5, validation_data=test_data)
+      >>> trainer.evaluate(state, test_data)
+      {'loss': 0.08..., 'accuracy': 0.97...}
+    """
+
+    def __init__(
+        self,
+        strategy: Any = None,
+        train_step: Callable[..., Any] | None = None,
+        eval_step: Callable[..., Any] | None = None,
+        predict_step: Callable[..., Any] | None = None,
+        *,
+        callbacks: Sequence[Callback] = (),
+        steps_per_execution: int = 1,
+        log_every: int = 100,
+        mask_key: str | None = "mask",
+    ) -> None:
+        self.strategy = strategy if strategy is not None else get_strategy()
+        for name in ("run", "experimental_distribute_dataset", "put_replicated"):
+            if not hasattr(self.strategy, name):
+                raise TypeError(
+                    "`strategy` must be a distrain strategy (e.g. dt.MirroredStrategy()). "
+                    f"Received: {strategy!r}."
+                )
+        for name, fn in (
+            ("train_step", train_step),
+            ("eval_step", eval_step),
+            ("predict_step", predict_step),
+        ):
+            if fn is not None and not callable(fn):
+                raise TypeError(f"`{name}` must be a function. Received: {fn!r}.")
+        self.train_step = train_step
+        self.eval_step = eval_step
+        self.predict_step = predict_step
+        self.callbacks = list(callbacks)
+        CallbackList(self.callbacks, self)  # type-checks them now, not at fit time
+        self.steps_per_execution = _positive_int("steps_per_execution", steps_per_execution)
+        self.log_every = _positive_int("log_every", log_every)
+        self.mask_key = mask_key
+        chief = getattr(self.strategy, "is_chief", None)
+        self.is_chief = bool(chief) if chief is not None else jax.process_index() == 0
+
+        self._eval_fn = F.make_eval_fn(eval_step) if eval_step is not None else None
+        self._predict_fn = (
+            F.make_predict_fn(predict_step, mask_key) if predict_step is not None else None
+        )
+        self._zeros = _inference.ZeroCache(self.strategy)
+        self._reset_progress()
+
+    # ---------------------------------------------------------------- progress
+    def _reset_progress(self) -> None:
+        self.state: Any = None
+        self.history = History()
+        self.epoch = 0
+        self.global_step = 0
+        self.step_in_epoch = 0
+        self.initial_step = 0
+        self.initial_epoch = 0
+        self.epochs: int | None = None
+        self.steps: int | None = None
+        self.steps_per_epoch: int | None = None
+        self.stop_training = False
+        self.in_fit = False
+        self.has_validation = False
+        self._epoch_done = False
+        self._acc: Any = None
+        self._zero_acc: Any = None
+        self._layout: F.Layout | None = None
+        self._window_steps = 0
+        self._epoch_sums: dict[str, Metric] | None = None
+        self._passes: PassIterator | None = None
+
+    def progress(self) -> dict[str, Any]:
+        """The loop position as JSON-compatible data, for checkpoints.
+
+        Reads the on-device metric accumulator first (a host sync), so the saved
+        epoch metrics are complete. ``BackupAndRestore`` saves this and hands it back
+        to :meth:`resume`.
+        """
+        self._flush_window()
+        done = self._epoch_done
+        sums = None
+        if not done and self._epoch_sums is not None:
+            sums = {k: sums_to_json(m) for k, m in self._epoch_sums.items()}
+        return {
+            "epoch": self.epoch + 1 if done else self.epoch,
+            "step_in_epoch": 0 if done else self.step_in_epoch,
+            "global_step": self.global_step,
+            "history": self.history.to_dict(),
+            "epoch_sums": sums,
+        }
+
+    def data_state(self) -> dict[str, Any]:
+        """The training input's position (``{"iterator": state or None, ...}``)."""
+        if self._passes is None:
+            return {"iterator": None, "supported": False}
+        return self._passes.get_state(epoch_done=self._epoch_done)
+
+    def resume(self, state: Any, progress: dict[str, Any], data_state: Any = None) -> None:
+        """Continues a ``fit`` from a saved position (call from ``on_train_begin``).
+
+        Args:
+          state: the restored state (placed like the state given to ``fit``).
+          progress: what :meth:`progress` returned when the checkpoint was saved.
+          data_state: what :meth:`data_state` returned then.
+        """
+        if not self.in_fit or self._passes is None:
+            raise RuntimeError("`Trainer.resume` can only be called during fit (on_train_begin).")
+        self.state = state
+        self.epoch = self.initial_epoch = int(progress["epoch"])
+        self.global_step = self.initial_step = int(progress["global_step"])
+        self.step_in_epoch = int(progress.get("step_in_epoch", 0))
+        self.history = History.from_dict(progress.get("history") or {})
+        sums = progress.get("epoch_sums")
+        self._resumed_sums = sums_from_json(sums) if sums else None
+        self._passes.restore(data_state, self.step_in_epoch)
+
+    # ------------------------------------------------------------------- fit
+    def fit(
+        self,
+        state: Any,
+        data: Iterable[Any],
+        *,
+        epochs: int | None = None,
+        steps: int | None = None,
+        steps_per_epoch: int | None = None,
+        validation_data: Iterable[Any] | None = None,
+        validation_freq: int = 1,
+        validation_steps: int | None = None,
+        initial_epoch: int = 0,
+        callbacks: Sequence[Callback] = (),
+    ) -> tuple[Any, History]:
+        """Trains ``state`` on ``data``; returns ``(final_state, history)``.
+
+        Args:
+          state: the initial state (any pytree); placed with ``strategy.put_replicated``.
+          data: an iterable of *global* batches (NumPy/JAX pytrees, an
+            ``ArrayPipeline``, a grain dataset) or a distributed dataset of this strategy.
+          epochs: passes to run. An epoch is ``steps_per_epoch`` steps when that is
+            known (argument, or ``data.steps_per_epoch`` / ``len(data)``), else one pass
+            over ``data``. A pass that ends starts a new one.
+          steps: total training steps (a cap when ``epochs`` is also given). Neither
+            given: one epoch.
+          steps_per_epoch: steps per epoch, for infinite or unsized data.
+          validation_data: evaluated with ``eval_step`` after every ``validation_freq``
+            epochs; its metrics enter the logs with a ``val_`` prefix.
+          validation_freq: epochs between validations.
+          validation_steps: batches per validation (default: one pass).
+          initial_epoch: the epoch to start counting from.
+          callbacks: more callbacks, for this call only.
+
+        Raises:
+          ValueError: no ``train_step``; bad arguments.
+          DataEndedError: ``data`` ran out before ``steps``/``epochs`` were done.
+          TypeError: ``train_step`` returned something other than ``(new_state, metrics)``.
+        """
+        if self.train_step is None:
+            raise ValueError(
+                "`Trainer.fit` needs a train_step: pass Trainer(strategy, train_step)."
+            )
+        epochs = _optional_positive_int("epochs", epochs)
+        steps = _optional_positive_int("steps", steps)
+        validation_freq = _positive_int("validation_freq", validation_freq)
+        if validation_data is not None and self.eval_step is None:
+            raise ValueError(
+                "`validation_data` needs an eval_step: pass Trainer(strategy, train_step, "
+                "eval_step)."
+            )
+        if epochs is None and steps is None:
+            epochs = 1
+        dist = _inference.distribute(self.strategy, data)
+        self._reset_progress()
+        self.epochs, self.steps = epochs, steps
+        self.steps_per_epoch = (
+            _positive_int("steps_per_epoch", steps_per_epoch)
+            if steps_per_epoch is not None
+            else steps_per_epoch_of(data)
+        )
+        self.epoch = self.initial_epoch = int(initial_epoch)
+        self.global_step = self.initial_step = initial_epoch * (self.steps_per_epoch or 0)
+        self.has_validation = validation_data is not None
+        self.state = self.strategy.put_replicated(state)
+        self._passes = PassIterator(dist, self.steps_per_epoch)
+        self._resumed_sums = None
+        cbs = CallbackList([*self.callbacks, *callbacks], self)
+        self.in_fit = True
+        try:
+            cbs.call("on_train_begin", None)
+            logs: dict[str, float] = {}
+            while not self._finished():
+                logs = self._run_epoch(cbs)
+                # Absolute epoch numbers, so a resumed run validates after the same epochs.
+                if validation_data is not None and (self.epoch + 1) % validation_freq == 0:
+                    val = self.evaluate(
+                        self.state, validation_data, steps=validation_steps, _callbacks=cbs
+                    )
+                    logs.update({f"val_{k}": v for k, v in val.items()})
+                self.history.append(self.epoch, logs)
+                self._epoch_done = True
+                cbs.call("on_epoch_end", self.epoch, logs)
+                self._epoch_done = False
+                self.epoch += 1
+                self.step_in_epoch = 0
+                if self.stop_training:
+                    break
+            cbs.call("on_train_end", logs)
+        except BaseException as e:
+            cbs.abort(e)
+            raise
+        finally:
+            self.in_fit = False
+        return self.state, self.history
+
+    def _finished(self) -> bool:
+        if self.stop_training:
+            return True
+        if self.epochs is not None and self.epoch >= self.epochs:
+            return True
+        return self.steps is not None and self.global_step >= self.steps
+
+    def _steps_left_in_epoch(self) -> int:
+        left = math.inf
+        if self.steps_per_epoch is not None:
+            left = self.steps_per_epoch - self.step_in_epoch
+        if self.steps is not None:
+            left = min(left, self.steps - self.global_step)
+        return left
+
+    def _run_epoch(self, cbs: CallbackList) -> dict[str, float] | None:
+        """Runs one epoch's steps; returns the epoch's training metrics."""
+        assert self._passes is not None
+        cbs.call("on_epoch_begin", self.epoch, None)
+        if self.steps_per_epoch is None:
+            self._passes.begin_epoch()
+        self._epoch_sums, self._resumed_sums = self._resumed_sums, None
+        k = self.steps_per_execution
+        ran_any = self.step_in_epoch > 0
+        while not self.stop_training:
+            want = min(k, self._steps_left_in_epoch())
+            if want <= 0:
+                break
+            batches = self._passes.take(int(want), new_pass_ok=self.steps_per_epoch is not None)
+            if not batches:
+                if self.steps_per_epoch is None and ran_any:
+                    break  # the pass is over: so is the epoch
+                raise DataEndedError(self._data_ended_message())
+            ran_any = True
+            self._dispatch(batches)
+            self._after_dispatch(cbs, len(batches))
+        return self._epoch_logs()
+
+    def _data_ended_message(self) -> str:
+        if self.steps is not None:
+            wanted = f"steps={self.steps}"
+        elif self.steps_per_epoch is not None:
+            wanted = f"{self.epochs} epochs x {self.steps_per_epoch} steps"
+        else:
+            wanted = f"epochs={self.epochs} (epoch {self.epoch} got no batch)"
+        return (
+            f"The training data ended after {self.global_step} steps, but fit asked for "
+            f"{wanted}. Make the dataset repeat (e.g. ArrayPipeline(num_epochs=None)), pass "
+            "a re-iterable dataset instead of a one-shot iterator, or ask for fewer steps."
+        )
+
+    def _dispatch(self, batches: list[Any]) -> None:
+        if self._acc is None:
+            shapes = F.trace_shapes(
+                self.strategy, F.make_metrics_fn(self.train_step), (self.state, batches[0])
+            )
+            self._layout = F.Layout(shapes)
+            self._zero_acc = F.per_replica_zeros(self.strategy, self._layout.size)
+            self._acc = self._zero_acc
+        k = self.steps_per_execution
+        groups = [batches] if len(batches) == k else [[b] for b in batches]
+        first = self.global_step == self.initial_step
+        for group in groups:
+            fn = F.make_train_fn(self.train_step, len(group))
+            self.state, self._acc = self.strategy.run(fn, args=(self.state, self._acc, *group))
+        if first:
+            self._warn_if_state_varies()
+
+    def _warn_if_state_varies(self) -> None:
+        from distrain.values import PerReplica
+
+        varying = [
+            jax.tree_util.keystr(p)
+            for p, x in jax.tree_util.tree_leaves_with_path(
+                self.state, is_leaf=lambda x: isinstance(x, PerReplica)
+            )
+            if isinstance(x, PerReplica)
+        ]
+        if varying:
+            warnings.warn(
+                f"train_step returned a state whose leaves {varying[:5]} differ across "
+                "replicas (they came back as dt.PerReplica). Replicas then train different "
+                "models. All-reduce what must agree (state.apply_gradients does it for "
+                "gradients; use dt.get_replica_context().all_reduce for statistics).",
+                stacklevel=3,
+            )
+
+    def _after_dispatch(self, cbs: CallbackList, n: int) -> None:
+        before = self.global_step
+        self.global_step += n
+        self.step_in_epoch += n
+        self._window_steps += n
+        logs = None
+        if self.global_step // self.log_every > before // self.log_every:
+            logs = self._flush_window()
+        cbs.call(
+            "on_train_batch_end",
+            StepInfo(self.global_step, self.epoch, self.step_in_epoch, n, logs, self.state),
+        )
+
+    # ---------------------------------------------------------- metric sums
+    def _flush_window(self) -> dict[str, float] | None:
+        """Reads the device accumulator (host sync), folds it into the epoch sums."""
+        if self._acc is None or self._window_steps == 0:
+            return None
+        host = self._layout.unpack(jax.device_get(self.strategy.reduce("sum", self._acc)))
+        self._acc = self._zero_acc
+        self._window_steps = 0
+        if self._epoch_sums is None:
+            self._epoch_sums = host
+        else:
+            self._epoch_sums = {k: self._epoch_sums[k].merge(host[k]) for k in host}
+        return {k: m.compute() for k, m in host.items()}
+
+    def _epoch_logs(self) -> dict[str, float]:
+        self._flush_window()
+        return {k: m.compute() for k, m in (self._epoch_sums or {}).items()}
+
+    # -------------------------------------------------------------- evaluate
+    def evaluate(
+        self,
+        state: Any,
+        data: Iterable[Any],
+        *,
+        steps: int | None = None,
+        callbacks: Sequence[Callback] = (),
+        _callbacks: CallbackList | None = None,
+    ) -> dict[str, float]:
+        """Runs ``eval_step`` over ``data`` (one pass, or ``steps`` batches).
+
+        Metrics are accumulated on the devices and read once at the end.
+
+        Returns:
+          ``{metric: value}`` averaged over all real (unmasked) examples.
+
+        Raises:
+          ValueError: no ``eval_step``, or ``data`` yielded no batch.
+        """
+        if self._eval_fn is None:
+            raise ValueError(
+                "`Trainer.evaluate` needs an eval_step: pass Trainer(strategy, train_step, "
+                "eval_step)."
+            )
+        steps = _optional_positive_int("steps", steps)
+        if steps is None:
+            steps = steps_per_epoch_of(data)
+        cbs = _callbacks or CallbackList([*self.callbacks, *callbacks], self)
+        cbs.call("on_test_begin", None)
+        state = self.strategy.put_replicated(state) if not self.in_fit else state
+        batches = _inference.distribute(self.strategy, data)
+        logs = _inference.evaluate_loop(
+            self.strategy, self._eval_fn, self._zeros, state, batches, steps
+        )
+        cbs.call("on_test_end", logs)
+        return logs
+
+    def predict(
+        self,
+        state: Any,
+        data: Iterable[Any],
+        *,
+        steps: int | None = None,
+        callbacks: Sequence[Callback] = (),
+    ) -> Any:
+        """Runs ``predict_step`` over ``data`` and concatenates the outputs.
+
+        Rows whose padding mask (``batch[mask_key]``) is 0 are dropped, so the result
+        has one row per real example, in data order.
+
+        Returns:
+          The outputs' pytree with NumPy leaves of ``[num_examples, ...]``.
+
+        Raises:
+          ValueError: no ``predict_step``, or ``data`` yielded no batch.
+        """
+        if self._predict_fn is None:
+            raise ValueError(
+                "`Trainer.predict` needs a predict_step: pass Trainer(..., predict_step=fn)."
+            )
+        steps = _optional_positive_int("steps", steps)
+        if steps is None:
+            steps = steps_per_epoch_of(data)
+        cbs = CallbackList([*self.callbacks, *callbacks], self)
+        cbs.call("on_predict_begin", None)
+        state = self.strategy.put_replicated(state)
+        batches = _inference.distribute(self.strategy, data)
+        result = _inference.predict_loop(self.strategy, self._predict_fn, state, batches, steps)
+        cbs.call("on_predict_end", None)
+        return result

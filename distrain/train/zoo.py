@@ -1,0 +1,230 @@
+"""Built-in models, datasets and steps that the shipped configs name by import path.
+
+They are ordinary functions with the contracts of :mod:`distrain.train.config`, so
+they double as templates for your own:
+
+* models: ``fn(*, key, **kwargs)`` returns a ``flax.nnx.Module``;
+* data: ``fn(**kwargs)`` returns ``{"train": arrays, "test": arrays}``;
+* steps: ``step(state, batch, *, apply_fn, ...)`` with ``apply_fn(params, x)``.
+
+Example:
+  >>> model = mlp(key=jax.random.key(0), input_shape=(8, 8, 1), hidden=(128,))
+  >>> graphdef, params = nnx.split(model)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+from distrain.train.metrics import Accuracy, Mean
+
+ApplyFn = Callable[[Any, jax.Array], jax.Array]
+
+
+class MLP(nnx.Module):
+    """Flatten, then ``Dense -> ReLU`` per hidden width, then a ``Dense`` to logits."""
+
+    def __init__(
+        self, in_features: int, hidden: Sequence[int], num_classes: int, *, rngs: nnx.Rngs
+    ) -> None:
+        widths = [in_features, *hidden]
+        # Named attributes (not a list) keep the parameter tree's keys strings:
+        # {"dense_0": {"kernel", "bias"}, ..., "out": ...}, which checkpoints cleanly.
+        self.num_hidden = len(hidden)
+        for i, (a, b) in enumerate(zip(widths[:-1], widths[1:], strict=True)):
+            setattr(self, f"dense_{i}", nnx.Linear(a, b, rngs=rngs))
+        self.out = nnx.Linear(widths[-1], num_classes, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = x.reshape(x.shape[0], -1)
+        for i in range(self.num_hidden):
+            x = jax.nn.relu(getattr(self, f"dense_{i}")(x))
+        return self.out(x)
+
+
+def mlp(
+    *,
+    key: jax.Array,
+    input_shape: Sequence[int] = (28, 28, 1),
+    hidden: Sequence[int] = (256, 256),
+    num_classes: int = 10,
+) -> MLP:
+    """The Keras guide's MLP (784-256-256-10 for MNIST): logits for ``num_classes``."""
+    return MLP(math.prod(input_shape), list(hidden), num_classes, rngs=nnx.Rngs(key))
+
+
+class CNN(nnx.Module):
+    """The CNN of the strategy overview: two 3x3 convolutions, a max-pool, two Dense layers."""
+
+    def __init__(self, input_shape: Sequence[int], num_classes: int, *, rngs: nnx.Rngs) -> None:
+        h, w, c = input_shape
+        self.conv1 = nnx.Conv(c, 32, (3, 3), padding="VALID", rngs=rngs)
+        self.conv2 = nnx.Conv(32, 64, (3, 3), padding="VALID", rngs=rngs)
+        # VALID 3x3 conv -> pool 2 -> VALID 3x3 conv, as Conv2D/MaxPooling2D/Conv2D in Keras.
+        h, w = (h - 2) // 2 - 2, (w - 2) // 2 - 2
+        self.dense = nnx.Linear(h * w * 64, 64, rngs=rngs)
+        self.out = nnx.Linear(64, num_classes, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        x = jax.nn.relu(self.conv1(x))
+        x = nnx.max_pool(x, window_shape=(2, 2), strides=(2, 2))
+        x = jax.nn.relu(self.conv2(x))
+        x = x.reshape(x.shape[0], -1)
+        x = jax.nn.relu(self.dense(x))
+        # Logits: the seed model ends in softmax *and* uses from_logits=True, a known slip.
+        return self.out(x)
+
+
+def cnn(*, key: jax.Array, input_shape: Sequence[int] = (28, 28, 1), num_classes: int = 10) -> CNN:
+    """The seed overview's Keras CNN (Conv32-MaxPool-Conv64-Dense64-Dense10) in NNX."""
+    return CNN(list(input_shape), num_classes, rngs=nnx.Rngs(key))
+
+
+# ---------------------------------------------------------------------------- data
+
+
+def digits(*, test_fraction: float = 0.2, seed: int = 0) -> dict[str, dict[str, np.ndarray]]:
+    """scikit-learn's bundled 8x8 digits (offline): ``{"train": ..., "test": ...}``."""
+    from distrain.data.datasets import load_digits
+
+    return {
+        split: load_digits(split, test_fraction=test_fraction, seed=seed)
+        for split in ("train", "test")
+    }
+
+
+def mnist(
+    *, cache_dir: str | None = None, num_validation: int = 0
+) -> dict[str, dict[str, np.ndarray]]:
+    """MNIST (downloaded once into a cache; see ``distrain.data.datasets.load_mnist``).
+
+    Args:
+      cache_dir: where the files are cached (default ``~/.cache/distrain/mnist``).
+      num_validation: hold out the last rows of the training set as ``"validation"``
+        (the Keras guide holds out 10,000).
+    """
+    from distrain.data.datasets import load_mnist
+
+    train = load_mnist("train", cache_dir=cache_dir)
+    out = {"train": train, "test": load_mnist("test", cache_dir=cache_dir)}
+    if num_validation:
+        out["validation"] = {k: v[-num_validation:] for k, v in train.items()}
+        out["train"] = {k: v[:-num_validation] for k, v in train.items()}
+    return out
+
+
+# ---------------------------------------------------------------------------- steps
+
+
+def _mask(batch: dict[str, Any], mask_key: str | None) -> jax.Array | None:
+    return batch.get(mask_key) if mask_key is not None else None
+
+
+def classification_train_step(
+    state: Any,
+    batch: dict[str, jax.Array],
+    *,
+    apply_fn: ApplyFn,
+    image_key: str = "image",
+    label_key: str = "label",
+    mask_key: str | None = "mask",
+) -> tuple[Any, dict[str, Any]]:
+    """One per-replica step of softmax cross-entropy on integer labels.
+
+    The loss is ``dt.compute_average_loss`` of the per-example losses (divided by the
+    global batch size, or by the number of real rows when the batch has a mask), so
+    ``apply_gradients`` summing gradients over replicas gives the global mean's gradient.
+    """
+    from distrain.losses import compute_average_loss
+
+    images, labels, mask = batch[image_key], batch[label_key], _mask(batch, mask_key)
+
+    def loss_fn(params: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+        logits = apply_fn(params, images)
+        per_example = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        return compute_average_loss(per_example, mask=mask), (logits, per_example)
+
+    grads, (logits, per_example) = jax.grad(loss_fn, has_aux=True)(state.params)
+    state = state.apply_gradients(grads=grads)
+    return state, {
+        "loss": Mean.from_values(per_example, mask=mask),
+        "accuracy": Accuracy.from_logits(logits, labels, mask=mask),
+    }
+
+
+def classification_eval_step(
+    state: Any,
+    batch: dict[str, jax.Array],
+    *,
+    apply_fn: ApplyFn,
+    image_key: str = "image",
+    label_key: str = "label",
+    mask_key: str | None = "mask",
+) -> dict[str, Any]:
+    """Loss and accuracy of one per-replica batch; padded rows (mask 0) do not count."""
+    images, labels, mask = batch[image_key], batch[label_key], _mask(batch, mask_key)
+    logits = apply_fn(state.params, images)
+    per_example = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+    return {
+        "loss": Mean.from_values(per_example, mask=mask),
+        "accuracy": Accuracy.from_logits(logits, labels, mask=mask),
+    }
+
+
+def classification_predict_step(
+    state: Any, batch: dict[str, jax.Array], *, apply_fn: ApplyFn, image_key: str = "image"
+) -> jax.Array:
+    """Class probabilities ``[rows, num_classes]`` of one per-replica batch."""
+    return jax.nn.softmax(apply_fn(state.params, batch[image_key]), axis=-1)
+
+
+def nnx_apply_fn(graphdef: Any) -> ApplyFn:
+    """``apply_fn(params, x)`` for a module split as ``graphdef, params = nnx.split(model)``."""
+
+    def apply_fn(params: Any, x: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, params)(x)
+
+    return apply_fn
+
+
+def split_model(model: Any) -> tuple[ApplyFn, Any]:
+    """``(apply_fn, params)`` from an ``nnx.Module`` or an ``(apply_fn, params)`` pair.
+
+    ``params`` is a plain nested dict of arrays (``nnx.to_pure_dict``), which
+    checkpoints and restores without any flax types.
+
+    Raises:
+      TypeError: for anything else, saying what a model function must return.
+    """
+    if isinstance(model, nnx.Module):
+        graphdef, state = nnx.split(model)
+        return nnx_apply_fn(graphdef), nnx.to_pure_dict(state)
+    if isinstance(model, tuple) and len(model) == 2 and callable(model[0]):
+        return model[0], model[1]
+    raise TypeError(
+        "A model function must return a flax.nnx.Module or a tuple (apply_fn, params) with "
+        f"apply_fn(params, x) -> outputs. Received: {type(model).__name__}."
+    )
+
+
+def init_model(model_fn: Callable[..., Any], key: jax.Array, **kwargs: Any) -> tuple[ApplyFn, Any]:
+    """``split_model(model_fn(key=key, **kwargs))``, initialised in one compiled call.
+
+    Building a model eagerly compiles every initializer separately (dozens of small
+    XLA programs); tracing the whole construction once is much faster to start.
+    """
+    found: dict[str, Any] = {}
+
+    def init(k: jax.Array) -> Any:
+        found["apply_fn"], params = split_model(model_fn(key=k, **kwargs))
+        return params
+
+    params = jax.jit(init)(key)
+    return found["apply_fn"], params

@@ -1,0 +1,148 @@
+"""Run configs: shipped files load and build; bad files and overrides get clear errors."""
+
+import glob
+import os
+
+import jax
+import pytest
+
+from distrain.train.config import (
+    ConfigError,
+    RunConfig,
+    apply_overrides,
+    config_from_dict,
+    load_config,
+)
+from distrain.train.run import _optimizer, build_strategy, resolve_callable
+from distrain.train.zoo import split_model
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
+
+
+def test_the_three_seed_configs_are_shipped():
+    names = {os.path.basename(p) for p in CONFIGS}
+    assert {"quickstart.yaml", "mnist_mlp.yaml", "mnist_cnn.yaml"} <= names
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=os.path.basename)
+def test_every_shipped_config_loads_and_builds(path, devices):
+    cfg = load_config(path)
+    assert isinstance(cfg, RunConfig)
+    # Everything it names resolves, and the model and optimizer build (no data download).
+    model = resolve_callable(cfg.model.fn, "model.fn")(key=jax.random.key(0), **cfg.model.kwargs)
+    apply_fn, params = split_model(model)
+    assert jax.tree.leaves(params)
+    resolve_callable(cfg.data.fn, "data.fn")
+    resolve_callable(cfg.train.train_step, "train.train_step")
+    if cfg.train.eval_step:
+        resolve_callable(cfg.train.eval_step, "train.eval_step")
+    _optimizer(cfg.optimizer.name, cfg.optimizer.learning_rate, cfg.optimizer.kwargs)
+    assert build_strategy(cfg.strategy).num_replicas_in_sync >= 1
+
+
+def test_mnist_configs_match_the_seed_models():
+    mlp = load_config(os.path.join(ROOT, "configs", "mnist_mlp.yaml"))
+    assert mlp.model.kwargs["hidden"] == [256, 256] and mlp.optimizer.name == "adam"
+    cnn = load_config(os.path.join(ROOT, "configs", "mnist_cnn.yaml"))
+    params = split_model(
+        resolve_callable(cnn.model.fn, "model.fn")(key=jax.random.key(0), **cnn.model.kwargs)
+    )[1]
+    shapes = {k: v["kernel"].shape for k, v in params.items()}
+    assert shapes == {
+        "conv1": (3, 3, 1, 32),
+        "conv2": (3, 3, 32, 64),
+        "dense": (11 * 11 * 64, 64),
+        "out": (64, 10),
+    }
+
+
+def test_unknown_key_suggests_the_closest(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  epoch: 3\n")
+    with pytest.raises(ConfigError, match=r"Unknown config key 'train.epoch'.*'train.epochs'"):
+        load_config(p)
+    p.write_text("optimiser:\n  name: sgd\n")
+    with pytest.raises(ConfigError, match=r"Did you mean 'optimizer'\?"):
+        load_config(p)
+
+
+def test_wrong_type_names_field_and_value(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("train:\n  epochs: ten\n")
+    with pytest.raises(ConfigError, match=r"'train.epochs' must be int \| null. Received: 'ten'"):
+        load_config(p)
+    p.write_text("optimizer:\n  learning_rate: 1e-3\n")  # YAML 1.1 reads this as a string
+    with pytest.raises(ConfigError, match=r"'optimizer.learning_rate' must be float.*1.0e-3"):
+        load_config(p)
+    p.write_text("data:\n  shuffle: 1\n")
+    with pytest.raises(ConfigError, match=r"'data.shuffle' must be bool. Received: 1"):
+        load_config(p)
+    p.write_text("strategy:\n  name: mirored\n")
+    with pytest.raises(ConfigError, match=r"'strategy.name' must be one of.*'mirrored'\?"):
+        load_config(p)
+    p.write_text("train: 3\n")
+    with pytest.raises(ConfigError, match=r"section 'train' must be a mapping"):
+        load_config(p)
+
+
+def test_value_checks():
+    with pytest.raises(ConfigError, match=r"train.epochs must be >= 1"):
+        config_from_dict({"train": {"epochs": 0}})
+    with pytest.raises(ConfigError, match="both null"):
+        config_from_dict({"train": {"epochs": None, "steps": None}})
+    with pytest.raises(ConfigError, match=r"checkpoint.save_freq must be 'epoch'"):
+        config_from_dict({"checkpoint": {"save_freq": "sometimes"}})
+    assert config_from_dict({"optimizer": {"learning_rate": 1}}).optimizer.learning_rate == 1.0
+
+
+def test_missing_file_lists_nearby_configs(tmp_path):
+    (tmp_path / "good.yaml").write_text("{}\n")
+    with pytest.raises(ConfigError, match=r"does not exist.*good.yaml"):
+        load_config(tmp_path / "quikstart.yaml")
+
+
+def test_unparsable_and_non_mapping_files(tmp_path):
+    p = tmp_path / "bad.yaml"
+    p.write_text("train:\n  epochs: [1, 2\n")
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(p)
+    p.write_text("- 1\n- 2\n")
+    with pytest.raises(ConfigError, match="mapping of keys to values at the top level"):
+        load_config(p)
+
+
+def test_overrides_are_typed_and_checked(tmp_path):
+    p = tmp_path / "c.yaml"
+    p.write_text("name: x\n")
+    cfg = load_config(
+        p, ["train.epochs=5", "model.kwargs.hidden=[8, 8]", "optimizer.learning_rate=0.01"]
+    )
+    assert cfg.train.epochs == 5 and cfg.model.kwargs["hidden"] == [8, 8]
+    assert cfg.optimizer.learning_rate == 0.01
+    with pytest.raises(ConfigError, match=r"'train.epocs'.*'train.epochs'"):
+        load_config(p, ["train.epocs=5"])
+    with pytest.raises(ConfigError, match="must look like key=value"):
+        load_config(p, ["train.epochs"])
+    with pytest.raises(ConfigError, match="'train.epochs' must be int"):
+        load_config(p, ["train.epochs=lots"])
+    with pytest.raises(ConfigError, match="not a section"):
+        apply_overrides({"train": 3}, ["train.epochs=1"])
+
+
+def test_import_paths_resolve_or_explain():
+    assert callable(resolve_callable("distrain.train.zoo:mlp", "model.fn"))
+    assert callable(resolve_callable("distrain.train.zoo.mlp", "model.fn"))
+    with pytest.raises(ConfigError, match=r"'model.fn'.*has no attribute 'mpl'.*zoo:mlp"):
+        resolve_callable("distrain.train.zoo:mpl", "model.fn")
+    with pytest.raises(ConfigError, match=r"cannot import module 'no_such_pkg"):
+        resolve_callable("no_such_pkg.models:net", "model.fn")
+    with pytest.raises(ConfigError, match="import path"):
+        resolve_callable("mlp", "model.fn")
+    with pytest.raises(ConfigError, match="not callable"):
+        resolve_callable("distrain.train.zoo:__doc__", "model.fn")
+
+
+def test_unknown_optimizer_suggests():
+    with pytest.raises(ConfigError, match=r"no optimizer 'adamm'.*'adam"):
+        _optimizer("adamm", 1e-3, {})

@@ -1,0 +1,279 @@
+"""Trainer: fit/evaluate/predict semantics, fused steps, host syncs and error paths."""
+
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import distrain as dt
+from distrain.data.pipeline import ArrayPipeline
+from distrain.train.callbacks import LambdaCallback
+from distrain.train.metrics import Mean
+from distrain.train.trainer import DataEndedError, Trainer
+
+DIM = 4
+
+
+def problem(n=96, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, DIM)).astype(np.float32)
+    y = (x @ np.arange(1, DIM + 1, dtype=np.float32) + 0.5).astype(np.float32)
+    return {"x": x, "y": y}
+
+
+def apply_fn(params, x):
+    return x @ params["w"] + params["b"]
+
+
+def train_step(state, batch):
+    def loss_fn(p):
+        err = (apply_fn(p, batch["x"]) - batch["y"]) ** 2
+        return dt.compute_average_loss(err), err
+
+    grads, err = jax.grad(loss_fn, has_aux=True)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": Mean.from_values(err)}
+
+
+def eval_step(state, batch):
+    err = (apply_fn(state.params, batch["x"]) - batch["y"]) ** 2
+    return {"loss": Mean.from_values(err, mask=batch.get("mask"))}
+
+
+def predict_step(state, batch):
+    return apply_fn(state.params, batch["x"])
+
+
+def new_state(lr=0.05):
+    params = {"w": jnp.zeros((DIM,)), "b": jnp.zeros(())}
+    return dt.TrainState.create(params=params, tx=optax.sgd(lr))
+
+
+def pipeline(n=96, batch=32, **kw):
+    return ArrayPipeline(problem(n), global_batch_size=batch, seed=0, **kw)
+
+
+@pytest.fixture
+def mirrored(devices):
+    strategy = dt.MirroredStrategy()
+    assert strategy.num_replicas_in_sync == 8
+    return strategy
+
+
+def count_runs(strategy):
+    calls = []
+    run = strategy.run
+
+    def counting(fn, args=(), kwargs=None):
+        calls.append(fn)
+        return run(fn, args, kwargs)
+
+    strategy.run = counting
+    return calls
+
+
+def test_fit_learns_and_records_history(mirrored):
+    trainer = Trainer(mirrored, train_step, eval_step)
+    state, history = trainer.fit(new_state(), pipeline(), epochs=4, validation_data=pipeline())
+    assert trainer.global_step == 12 and int(state.step) == 12
+    assert history.epoch == [0, 1, 2, 3]
+    losses = history.history["loss"]
+    assert losses[-1] < losses[0] / 4
+    assert history.last("val_loss") == pytest.approx(trainer.evaluate(state, pipeline())["loss"])
+    assert set(history.history) == {"loss", "val_loss"}
+    with pytest.raises(KeyError, match="No metric named 'acc'"):
+        history.last("acc")
+
+
+def test_one_and_eight_replicas_give_the_same_parameters(mirrored, devices):
+    one = Trainer(dt.OneDeviceStrategy(devices[0]), train_step)
+    eight = Trainer(mirrored, train_step)
+    s1, h1 = one.fit(new_state(), pipeline(), epochs=2)
+    s8, h8 = eight.fit(new_state(), pipeline(), epochs=2)
+    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s8.params), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(h1.history["loss"], h8.history["loss"], rtol=1e-5)
+
+
+def test_steps_per_execution_fuses_steps_and_matches(mirrored):
+    """k=4 on 5-step epochs: one fused dispatch + one single step per epoch."""
+    data = pipeline(n=160, batch=32)  # 5 steps per epoch
+    plain = Trainer(mirrored, train_step)
+    s1, h1 = plain.fit(new_state(), data, epochs=2)
+    fused = Trainer(mirrored, train_step, steps_per_execution=4)
+    calls = count_runs(mirrored)
+    s4, h4 = fused.fit(new_state(), data, epochs=2)
+    assert len(calls) == 4 and fused.global_step == 10
+    for a, b in zip(jax.tree.leaves(s1), jax.tree.leaves(s4), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(h1.history["loss"], h4.history["loss"], rtol=1e-5)
+
+
+def test_host_syncs_only_when_logging(mirrored, monkeypatch):
+    seen = []
+    cb = LambdaCallback(on_train_batch_end=lambda info: seen.append((info.step, info.logs)))
+    trainer = Trainer(mirrored, train_step, log_every=4, callbacks=[cb])
+    gets = []
+    device_get = jax.device_get
+    monkeypatch.setattr(jax, "device_get", lambda x: (gets.append(1), device_get(x))[1])
+    trainer.fit(new_state(), pipeline(n=384), steps=12)
+    assert [s for s, logs in seen if logs is not None] == [4, 8, 12]
+    assert all(logs is None for s, logs in seen if s % 4)
+    assert len(gets) == 3  # one read per log; the epoch end had nothing new to read
+    assert seen[3][1]["loss"] > seen[11][1]["loss"]
+
+
+def test_bad_train_step_outputs_say_what_was_expected(mirrored):
+    data = pipeline()
+    cases = [
+        (lambda s, b: s, r"must return a tuple \(new_state, metrics\)"),
+        (lambda s, b: (s, {}, 1), "tuple of length 3"),
+        (
+            lambda s, b: ({"loss": 1.0}, s),
+            r"same pytree structure.*looks like \(metrics, new_state\)",
+        ),
+        (
+            lambda s, b: (s.replace(step=s.step.astype(jnp.float32)), {}),
+            r"leaf \.step changed from int32\[\] to float32\[\]",
+        ),
+        (lambda s, b: (s, {"err": b["y"]}), "must be a scalar or a dt.metrics object"),
+        (lambda s, b: (s, [1.0]), "must return metrics as a dict"),
+    ]
+    for step, message in cases:
+        with pytest.raises(TypeError, match=message):
+            Trainer(mirrored, step).fit(new_state(), data, steps=1)
+
+
+def test_bad_eval_and_predict_outputs(mirrored):
+    trainer = Trainer(mirrored, train_step, lambda s, b: (s, {}), lambda s, b: jnp.sum(b["x"]))
+    with pytest.raises(TypeError, match="must return a dict of metrics"):
+        trainer.evaluate(new_state(), pipeline())
+    with pytest.raises(TypeError, match="per-example outputs"):
+        trainer.predict(new_state(), pipeline())
+
+
+def test_data_that_ends_before_steps_names_both_numbers(mirrored):
+    batches = [problem(32, seed=i) for i in range(4)]
+    with pytest.raises(DataEndedError, match=r"ended after 4 steps, but fit asked for steps=10"):
+        Trainer(mirrored, train_step).fit(new_state(), iter(batches), steps=10)
+    # A re-iterable list is passed over again: 10 steps are 4 + 4 + 2.
+    trainer = Trainer(mirrored, train_step)
+    _, history = trainer.fit(new_state(), batches, steps=10)
+    assert trainer.global_step == 10 and history.epoch == [0, 1, 2]
+    with pytest.raises(DataEndedError, match=r"2 epochs x 4 steps"):
+        Trainer(mirrored, train_step).fit(new_state(), iter(batches), epochs=2, steps_per_epoch=4)
+
+
+def test_epochs_and_steps_together_cap_the_run(mirrored):
+    trainer = Trainer(mirrored, train_step)
+    _, history = trainer.fit(new_state(), pipeline(), epochs=5, steps=7)
+    assert trainer.global_step == 7 and history.epoch == [0, 1, 2]
+
+
+def test_any_pytree_state_gan_style(mirrored):
+    """Two models and two optimizers in a dict; the step updates both."""
+
+    def gan_step(state, batch):
+        def g_loss(p):
+            return dt.compute_average_loss((apply_fn(p, batch["x"]) - batch["y"]) ** 2)
+
+        def d_loss(p):
+            return dt.compute_average_loss(apply_fn(p, batch["x"]) ** 2)
+
+        gen = state["gen"].apply_gradients(grads=jax.grad(g_loss)(state["gen"].params))
+        disc = state["disc"].apply_gradients(grads=jax.grad(d_loss)(state["disc"].params))
+        return {"gen": gen, "disc": disc}, {"g": g_loss(gen.params), "d": d_loss(disc.params)}
+
+    state = {"gen": new_state(), "disc": new_state(0.01)}
+    out, history = Trainer(mirrored, gan_step).fit(state, pipeline(), epochs=2)
+    assert int(out["gen"].step) == 6 and int(out["disc"].step) == 6
+    assert history.history["g"][1] < history.history["g"][0]
+
+
+def test_predict_drops_padding_and_keeps_order(mirrored):
+    data = problem(13)
+    state = new_state()
+    state = state.replace(params={"w": jnp.arange(DIM, dtype=jnp.float32), "b": jnp.ones(())})
+    pipe = ArrayPipeline(
+        data,
+        global_batch_size=8,
+        shuffle=False,
+        num_epochs=1,
+        drop_remainder=False,
+        mask_key="mask",
+    )
+    out = Trainer(mirrored, train_step, predict_step=predict_step).predict(state, pipe)
+    np.testing.assert_allclose(out, data["x"] @ np.arange(DIM) + 1.0, rtol=1e-6)
+
+
+def test_missing_steps_and_empty_data_are_errors(mirrored):
+    with pytest.raises(ValueError, match="needs a train_step"):
+        Trainer(mirrored).fit(new_state(), pipeline())
+    with pytest.raises(ValueError, match="needs an eval_step"):
+        Trainer(mirrored, train_step).evaluate(new_state(), pipeline())
+    with pytest.raises(ValueError, match="validation_data` needs an eval_step"):
+        Trainer(mirrored, train_step).fit(new_state(), pipeline(), validation_data=pipeline())
+    with pytest.raises(ValueError, match="needs a predict_step"):
+        Trainer(mirrored, train_step).predict(new_state(), pipeline())
+    with pytest.raises(ValueError, match="yielded no batches"):
+        Trainer(mirrored, train_step, eval_step).evaluate(new_state(), [])
+    with pytest.raises(TypeError, match=r"Received a dict of arrays: wrap it as"):
+        Trainer(mirrored, train_step).fit(new_state(), problem(), epochs=1)
+    other = dt.MirroredStrategy(jax.devices()[:2])
+    with pytest.raises(ValueError, match="distributed with another strategy"):
+        Trainer(mirrored, train_step).fit(
+            new_state(), other.experimental_distribute_dataset(pipeline()), epochs=1
+        )
+
+
+def test_constructor_checks(mirrored):
+    with pytest.raises(ValueError, match="steps_per_execution` must be a positive int"):
+        Trainer(mirrored, train_step, steps_per_execution=0)
+    with pytest.raises(ValueError, match="log_every"):
+        Trainer(mirrored, train_step, log_every=-1)
+    with pytest.raises(TypeError, match="must be a distrain strategy"):
+        Trainer("mirrored", train_step)
+    with pytest.raises(TypeError, match="must be a function"):
+        Trainer(mirrored, "train_step")
+    with pytest.raises(TypeError, match="dt.callbacks.Callback"):
+        Trainer(mirrored, train_step, callbacks=[print])
+    with pytest.raises(ValueError, match="`epochs` must be a positive int"):
+        Trainer(mirrored, train_step).fit(new_state(), pipeline(), epochs=0)
+
+
+def test_stop_training_from_a_callback(mirrored):
+    def stop(info):
+        if info.step == 2:
+            trainer.stop_training = True
+
+    trainer = Trainer(mirrored, train_step, callbacks=[LambdaCallback(on_train_batch_end=stop)])
+    _, history = trainer.fit(new_state(), pipeline(), epochs=3)
+    assert trainer.global_step == 2 and history.epoch == [0]
+
+
+def test_validation_freq(mirrored):
+    trainer = Trainer(mirrored, train_step, eval_step)
+    _, history = trainer.fit(
+        new_state(), pipeline(), epochs=4, validation_data=pipeline(), validation_freq=2
+    )
+    val = history.history["val_loss"]
+    assert np.isnan(val[0]) and np.isnan(val[2]) and not np.isnan(val[1]) and val[3] < val[1]
+
+
+def test_state_that_differs_across_replicas_warns(mirrored):
+    def local_step(state, batch):
+        grads = jax.grad(lambda p: jnp.sum((apply_fn(p, batch["x"]) - batch["y"]) ** 2))(
+            state.params
+        )
+        return state.apply_gradients(grads=grads, all_reduce=False), {}
+
+    with pytest.warns(UserWarning, match="differ across replicas"):
+        Trainer(mirrored, local_step).fit(new_state(), pipeline(), steps=2)
+
+
+def test_ordinary_fit_emits_no_warning(mirrored):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        Trainer(mirrored, train_step).fit(new_state(), pipeline(), steps=2)

@@ -1,0 +1,37 @@
+"""The quickstart as `make demo` runs it (`distrain train --config configs/quickstart.yaml`),
+end to end in-process with few steps and every log and checkpoint file switched on."""
+
+import json
+import os
+
+from distrain.cli import main
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
+
+
+def test_quickstart_end_to_end_few_steps(tmp_path, capsys, devices):
+    """The quickstart as `make demo` runs it, with 2 epochs, and every log file on."""
+    argv = [
+        "train",
+        "--config",
+        QUICKSTART,
+        "--no-progress",
+        "train.epochs=2",
+        "train.validation_freq=1",
+        f"logging.dir={tmp_path}",
+        "logging.tensorboard=true",
+        "logging.csv=true",
+        "logging.jsonl=true",
+        f"checkpoint.dir={tmp_path / 'ckpt'}",
+    ]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "MirroredStrategy(num_replicas_in_sync=8)" in out
+    line = next(ln for ln in out.splitlines() if ln.startswith("test accuracy:"))
+    assert float(line.split()[-1].rstrip("%")) > 70.0  # 44 steps: well past chance (10%)
+    assert any(f.startswith("events.out.tfevents") for f in os.listdir(tmp_path))
+    assert (tmp_path / "epochs.csv").read_text().count("\n") == 3  # header + 2 epochs
+    events = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [e["epoch"] for e in events if e["event"] == "epoch"] == [0, 1]
+    assert sorted(int(s) for s in os.listdir(tmp_path / "ckpt") if s.isdigit()) == [22, 44]
