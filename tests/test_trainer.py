@@ -66,9 +66,9 @@ def count_runs(strategy):
     calls = []
     run = strategy.run
 
-    def counting(fn, args=(), kwargs=None):
+    def counting(fn, args=(), kwargs=None, **options):
         calls.append(fn)
-        return run(fn, args, kwargs)
+        return run(fn, args, kwargs, **options)
 
     strategy.run = counting
     return calls
@@ -277,3 +277,13 @@ def test_ordinary_fit_emits_no_warning(mirrored):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         Trainer(mirrored, train_step).fit(new_state(), pipeline(), steps=2)
+
+
+def test_fit_donates_the_state_but_not_the_callers_arrays(mirrored):
+    state = mirrored.put_replicated(new_state())
+    trainer = Trainer(mirrored, train_step)
+    final, _ = trainer.fit(state, pipeline(n=160, batch=32), steps=3)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(state))  # still usable
+    snapshot = trainer.state_snapshot()
+    trainer.fit(final, pipeline(n=160, batch=32), steps=2)
+    assert not any(x.is_deleted() for x in jax.tree.leaves(snapshot))

@@ -125,7 +125,14 @@ class Strategy:
         return tree
 
     # -------------------------------------------------------------------- run
-    def run(self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None):
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict | None = None,
+        *,
+        donate_argnums: Sequence[int] = (),
+    ):
         """Runs ``fn(*args, **kwargs)`` once per replica, compiled.
 
         ``dt.PerReplica`` arguments (batches of a distributed dataset) are split: each
@@ -134,6 +141,10 @@ class Strategy:
         example the state after ``apply_gradients``) are returned as replicated arrays;
         the rest as ``dt.PerReplica`` leaves.
 
+        ``donate_argnums`` (a JAX extension of TF's signature) names positional ``args``
+        whose arrays XLA may reuse for the outputs, as ``jax.jit`` does: the caller must
+        not use those arrays afterwards. It saves a copy of the state per step.
+
         Example:
           >>> def step(state, batch):
           ...     loss, grads = jax.value_and_grad(loss_fn)(state.params, batch)
@@ -141,38 +152,38 @@ class Strategy:
           >>> state, loss = strategy.run(step, args=(state, dist_batch))
         """
         context.require_cross_replica(self, "run")
-        leaves, treedef = jax.tree.flatten((tuple(args), kwargs or {}), is_leaf=_is_per_replica)
-        kinds, arrays, static = [], [], []
-        for leaf in leaves:
+        args = tuple(args)
+        donated = _donated_leaves(args, donate_argnums)
+        leaves, treedef = jax.tree.flatten((args, kwargs or {}), is_leaf=_is_per_replica)
+        kinds, arrays, static, donate = [], [], [], []
+        for i, leaf in enumerate(leaves):
             if isinstance(leaf, PerReplica):
                 sub, subdef = jax.tree.flatten(leaf.value)
                 self._check_per_replica(leaf, sub)
                 kinds.append((_STACKED if leaf.stacked else _SPLIT, subdef, len(sub)))
+                donate.extend(range(len(arrays), len(arrays) + len(sub)) if i in donated else ())
                 arrays.extend(sub)
             elif _is_array(leaf):
                 kinds.append((_BROADCAST,))
+                if i in donated and isinstance(leaf, jax.Array):
+                    donate.append(len(arrays))
                 arrays.append(self._to_compute(leaf))
             else:
                 kinds.append((_STATIC,))
                 static.append(leaf)
-        key = (fn, treedef, tuple(kinds), _hashable(static, fn))
+        key = (fn, treedef, tuple(kinds), _hashable(static, fn), tuple(donate))
         compiled = self._compiled.get(key)
         if compiled is None:
-            compiled = self._compiled[key] = self._compile(fn, treedef, kinds, static)
+            compiled = self._compiled[key] = self._compile(fn, treedef, kinds, static, donate)
         self._wait_for_room()
-        out = compiled(*arrays)
-        first = next(iter(jax.tree.leaves(out)), None)
-        if isinstance(first, jax.Array):
-            self._in_flight.append(first)
+        out, done = compiled(*arrays)
+        if done is not None:
+            self._in_flight.append(done)
         return self._from_compute(out)
 
     def _wait_for_room(self) -> None:
         while len(self._in_flight) >= self._max_in_flight:
-            oldest = self._in_flight.popleft()
-            try:
-                oldest.block_until_ready()
-            except RuntimeError:  # donated by a later call: that call waits for it anyway
-                pass
+            self._in_flight.popleft().block_until_ready()
 
     def _check_per_replica(self, value: PerReplica, leaves: list[Any]) -> None:
         n = self.num_replicas_in_sync
@@ -188,7 +199,7 @@ class Strategy:
                     f"replicas ({n}). Received shape {tuple(x.shape)}."
                 )
 
-    def _compile(self, fn, treedef, kinds, static) -> Callable[..., Any]:
+    def _compile(self, fn, treedef, kinds, static, donate) -> Callable[..., Any]:
         n, axis = self.num_replicas_in_sync, self.axis_name
 
         def per_replica(*arrays: Any) -> Any:
@@ -231,13 +242,16 @@ class Strategy:
                 out_specs=[P(axis) if v else P() for v in varying],
                 check_vma=False,
             )(*arrays)
+            # A one-element output that is never donated: the host waits on it to bound
+            # the calls in flight, even when every real output is donated to the next call.
+            done = outs[0].reshape(-1)[:1] if outs else None
             outs = [
                 PerReplica(o, n, stacked=True) if v else o
                 for o, v in zip(outs, varying, strict=True)
             ]
-            return out_tree.unflatten(outs)
+            return out_tree.unflatten(outs), done
 
-        return jax.jit(global_fn)
+        return jax.jit(global_fn, donate_argnums=tuple(donate))
 
     # ---------------------------------------------------------- cross-replica
     def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
@@ -340,6 +354,19 @@ class Strategy:
             ]
             out.append(jax.make_array_from_single_device_arrays(shape, self._split, shards))
         return jax.tree.map(lambda x: PerReplica(x, n, stacked=True), treedef.unflatten(out))
+
+
+def _donated_leaves(args: tuple, donate_argnums: Sequence[int]) -> set[int]:
+    """Indices (in the flattened ``(args, kwargs)``) of the leaves of donated args."""
+    bad = [n for n in donate_argnums if not isinstance(n, int) or not 0 <= n < len(args)]
+    if bad:
+        raise ValueError(
+            f"`donate_argnums` must be indices of the {len(args)} positional args. "
+            f"Received: {tuple(donate_argnums)!r}."
+        )
+    sizes = [len(jax.tree.leaves(a, is_leaf=_is_per_replica)) for a in args]
+    bounds = np.cumsum([0, *sizes])
+    return {i for n in donate_argnums for i in range(bounds[n], bounds[n + 1])}
 
 
 def _width(kind: tuple) -> int:

@@ -73,6 +73,10 @@ class Trainer:
       log_every: steps between host syncs that read the metrics (progress bar,
         TensorBoard, ``TerminateOnNaN``); epochs always end with one.
       mask_key: batch key of the padding mask (``predict`` drops padded rows with it).
+      donate_state: let XLA update the state in place (``donate_argnums``), saving a
+        copy of it per step. ``fit`` copies the state you pass in once, so your arrays
+        stay valid; a callback that keeps ``trainer.state`` for later must keep
+        ``trainer.state_snapshot()`` instead.
 
     Raises:
       TypeError / ValueError: for a non-callable step or non-positive integers.
@@ -97,6 +101,7 @@ class Trainer:
         steps_per_execution: int = 1,
         log_every: int = 100,
         mask_key: str | None = "mask",
+        donate_state: bool = True,
     ) -> None:
         self.strategy = strategy if strategy is not None else get_strategy()
         for name in ("run", "experimental_distribute_dataset", "put_replicated"):
@@ -120,6 +125,7 @@ class Trainer:
         self.steps_per_execution = _positive_int("steps_per_execution", steps_per_execution)
         self.log_every = _positive_int("log_every", log_every)
         self.mask_key = mask_key
+        self._donate = (0,) if donate_state else ()
         chief = getattr(self.strategy, "is_chief", None)
         self.is_chief = bool(chief) if chief is not None else jax.process_index() == 0
 
@@ -263,6 +269,8 @@ class Trainer:
         self.global_step = self.initial_step = initial_epoch * (self.steps_per_epoch or 0)
         self.has_validation = validation_data is not None
         self.state = self.strategy.put_replicated(state)
+        if self._donate:
+            self.state = self.state_snapshot()  # donation must not delete the caller's arrays
         self._passes = PassIterator(dist, self.steps_per_epoch)
         self._resumed_sums = None
         cbs = CallbackList([*self.callbacks, *callbacks], self)
@@ -358,9 +366,15 @@ class Trainer:
         first = self.global_step == self.initial_step
         for group in groups:
             fn = F.make_train_fn(self.train_step, len(group))
-            self.state, self._acc = self.strategy.run(fn, args=(self.state, self._acc, *group))
+            self.state, self._acc = self.strategy.run(
+                fn, args=(self.state, self._acc, *group), donate_argnums=self._donate
+            )
         if first:
             self._warn_if_state_varies()
+
+    def state_snapshot(self) -> Any:
+        """A copy of the current state that later (donating) steps leave intact."""
+        return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, self.state)
 
     def _warn_if_state_varies(self) -> None:
         from distrain.values import PerReplica

@@ -108,7 +108,7 @@ class _Saver(Callback):
             return False
         saved = self.manager.save(
             t.global_step,
-            t.state,
+            t.state_snapshot(),  # the async write must not read buffers the next step donates
             data_state=t.data_state(),
             metadata={"progress": t.progress()},
             force=True,

@@ -99,7 +99,7 @@ class EarlyStopping(Callback):
             self.best, self.best_epoch = value, epoch
             if self.restore_best_weights and self.trainer is not None:
                 # Arrays are immutable and the Trainer never donates state: a reference is a copy.
-                self.best_state = self.trainer.state
+                self.best_state = self.trainer.state_snapshot()
             if baseline_ok:
                 self.wait = 0
                 return
