@@ -6,7 +6,8 @@ the chief alone; checkpoint callbacks act on every process because saving is a
 collective operation with several processes.
 
 During ``fit`` a callback reaches the loop through ``self.trainer``:
-``trainer.state`` (the latest state), ``trainer.global_step``, ``trainer.epoch``,
+``trainer.state`` (the latest state; keep ``trainer.state_snapshot()`` to hold on to it, since
+steps donate it), ``trainer.global_step``, ``trainer.epoch``,
 ``trainer.step_in_epoch``, ``trainer.history``, ``trainer.is_chief`` and
 ``trainer.stop_training`` (set it to stop after the current step).
 
