@@ -204,7 +204,9 @@ def test_early_stopping_with_patience(strategy):
 
 def test_early_stopping_restores_best_weights(strategy):
     kept = {}
-    record = cb.LambdaCallback(on_epoch_end=lambda e, logs: kept.setdefault(e, trainer.state_snapshot()))
+    record = cb.LambdaCallback(
+        on_epoch_end=lambda e, logs: kept.setdefault(e, trainer.state_snapshot())
+    )
     # mode="max" on a falling loss: epoch 0 is the best, so it stops at epoch 2.
     stopper = cb.EarlyStopping("loss", mode="max", patience=1, restore_best_weights=True)
     trainer = Trainer(strategy, train_step, callbacks=[record, stopper])
