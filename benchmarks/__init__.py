@@ -1,0 +1,1 @@
+"""distrain's benchmark suite: ``python -m benchmarks.run`` (see ``docs/performance.md``)."""
