@@ -29,6 +29,7 @@ from benchmarks.loops import Bench, Sample, Stopwatch
 from benchmarks.workloads import IMAGE_SHAPE, LEARNING_RATE, NUM_CLASSES, Workload, synthetic_data
 
 MAX_BATCHES_PER_EPOCH = 32
+_TF_STRATEGIES: dict[int, Any] = {}
 
 
 def _keras_model(keras: Any, name: str) -> Any:
@@ -147,9 +148,13 @@ class KerasFit(Bench):
             return contextlib.nullcontext()
         import tensorflow as tf
 
-        devices = [f"/cpu:{i}" for i in range(self.n)]
-        self.strategy = tf.distribute.MirroredStrategy(devices=devices)
-        return self.strategy.scope()
+        # One strategy per process: a second MirroredStrategy reuses collective instance
+        # keys of the first and its all-reduces fail with "Shape mismatch in the
+        # collective instance" (seen with TensorFlow 2.21).
+        if self.n not in _TF_STRATEGIES:
+            devices = [f"/cpu:{i}" for i in range(self.n)]
+            _TF_STRATEGIES[self.n] = tf.distribute.MirroredStrategy(devices=devices)
+        return _TF_STRATEGIES[self.n].scope()
 
     def time(self, steps: int) -> Sample:
         epochs = [

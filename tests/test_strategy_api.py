@@ -255,3 +255,9 @@ def test_donated_state_is_reused_and_steps_stay_bounded(mirrored):
 def test_bad_donate_argnums(mirrored):
     with pytest.raises(ValueError, match="indices of the 1 positional args.*\\(1,\\)"):
         mirrored.run(lambda x: x, args=(jnp.ones(()),), donate_argnums=(1,))
+
+
+def test_int_and_float_constants_compile_separately(mirrored):
+    out_int = mirrored.run(lambda c: jnp.asarray(c), args=(2,))
+    out_float = mirrored.run(lambda c: jnp.asarray(c), args=(2.0,))
+    assert out_int.dtype == jnp.int32 and out_float.dtype == jnp.float32

@@ -3,7 +3,8 @@
 A ``DistributedDataset`` wraps any iterable of batches (NumPy or JAX pytrees, grain
 datasets and loaders, ``ArrayPipeline``). Each batch is checked (same leading size
 for every leaf, divisible by the number of replicas), split across replicas in order,
-and copied to the devices ahead of use by a background thread with a bounded buffer.
+and copied to the devices ahead of use (``InputOptions.prefetch`` batches, with
+asynchronous ``device_put``).
 
 Two kinds of source:
 
@@ -19,11 +20,8 @@ iterator, counting only the batches the caller consumed (not those prefetched).
 
 from __future__ import annotations
 
-import atexit
+import collections
 import dataclasses
-import queue
-import threading
-import weakref
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -183,16 +181,19 @@ class DistributedDataset:
 
 class DistributedIterator:
     """Iterator over per-replica batches, with ``get_state``/``set_state`` when the
-    source iterator has them (the position counts consumed batches only)."""
+    source iterator has them (the position counts consumed batches only).
+
+    Prefetching needs no thread: ``jax.device_put`` is asynchronous, so the copies of
+    the next ``prefetch`` batches run while the current step computes.
+    """
 
     def __init__(self, dataset: DistributedDataset) -> None:
         self._ds = dataset
         self._source = iter(dataset._dataset)
         self._full_size: int | None = None
         self._state: Any = self._source_state()
-        self._queue: queue.Queue | None = None
-        self._thread: threading.Thread | None = None
-        self._stop = threading.Event()
+        self._ahead: collections.deque[tuple[Any, Any]] = collections.deque()
+        self._exhausted = False
 
     # -- state
     def _source_state(self) -> Any:
@@ -216,7 +217,8 @@ class DistributedIterator:
                 f"This iterator cannot restore a position: its source "
                 f"({type(self._source).__name__}) has no set_state()."
             )
-        self._shutdown()
+        self._ahead.clear()
+        self._exhausted = False
         self._source.set_state(state)
         self._state = state
 
@@ -225,16 +227,21 @@ class DistributedIterator:
         return self
 
     def __next__(self) -> PerReplica:
-        if self._ds._options.prefetch == 0:
-            item = self._produce()
-        else:
-            if self._thread is None:
-                self._start()
-            item = self._queue.get()
-        if isinstance(item, BaseException):
-            self._thread = None
-            raise item
-        batch, self._state = item
+        # Keep `prefetch` batches in flight beyond the one returned now.
+        while not self._exhausted and len(self._ahead) <= self._ds._options.prefetch:
+            try:
+                self._ahead.append(self._produce())
+            except StopIteration:
+                self._exhausted = True
+            except Exception as e:  # raised when the caller reaches that batch
+                self._ahead.append((e, None))
+                self._exhausted = True
+        if not self._ahead:
+            raise StopIteration
+        batch, state = self._ahead.popleft()
+        if isinstance(batch, Exception):
+            raise batch
+        self._state = state
         return batch
 
     def _produce(self) -> tuple[PerReplica, Any]:
@@ -242,42 +249,6 @@ class DistributedIterator:
             batch = self._prepare(next(self._source))
             if batch is not None:
                 return self._place(batch), self._source_state()
-
-    def _start(self) -> None:
-        self._stop.clear()
-        q: queue.Queue = queue.Queue(maxsize=self._ds._options.prefetch)
-        self._queue = q
-
-        def work() -> None:
-            while not self._stop.is_set():
-                try:
-                    item: Any = self._produce()
-                except BaseException as e:  # noqa: BLE001 - re-raised in the consumer
-                    item = e
-                while not self._stop.is_set():
-                    try:
-                        q.put(item, timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if isinstance(item, BaseException):
-                    return
-
-        self._thread = threading.Thread(target=work, daemon=True, name="distrain-prefetch")
-        self._thread.start()
-        _LIVE.add(self)
-
-    def close(self) -> None:
-        """Stops the prefetch thread (also done for every live iterator at exit)."""
-        self._shutdown()
-
-    def _shutdown(self) -> None:
-        if self._thread is not None:
-            self._stop.set()
-            self._thread.join(timeout=10)
-            self._thread = None
-        self._queue = None
-
 
     # -- one batch
     def _prepare(self, batch: Any) -> Any | None:
@@ -318,13 +289,3 @@ class DistributedIterator:
             return shard_local_batch(self._ds._strategy, batch)
         return shard_global_batch(self._ds._strategy, batch)
 
-
-# A prefetch thread killed inside a JAX call at interpreter exit aborts the process
-# ("exception not rethrown"), so live threads are stopped and joined first.
-_LIVE: weakref.WeakSet[DistributedIterator] = weakref.WeakSet()
-
-
-@atexit.register
-def _close_all() -> None:
-    for it in list(_LIVE):
-        it.close()

@@ -358,6 +358,8 @@ class Strategy:
 
 def _donated_leaves(args: tuple, donate_argnums: Sequence[int]) -> set[int]:
     """Indices (in the flattened ``(args, kwargs)``) of the leaves of donated args."""
+    if not donate_argnums:
+        return set()
     bad = [n for n in donate_argnums if not isinstance(n, int) or not 0 <= n < len(args)]
     if bad:
         raise ValueError(
@@ -390,7 +392,8 @@ def _hashable(static: list[Any], fn: Any) -> tuple:
             f"{[type(s).__name__ for s in static]}. Pass arrays, or bind the value with "
             "functools.partial."
         ) from e
-    return tuple(static)
+    # The type too: 2 and 2.0 hash equal but trace differently.
+    return tuple((type(s), s) for s in static)
 
 
 def _shard_on(x: jax.Array, device: jax.Device, stacked: bool) -> jax.Array:

@@ -3,7 +3,7 @@
 Each wraps a user step so that one dispatch does all the device work of a loop
 iteration and nothing more:
 
-* ``train``: ``k`` steps (``lax.scan`` over ``k`` stacked batches when ``k > 1``),
+* ``train``: ``k`` steps (unrolled over ``k`` batches when ``k > 1``),
   the step metrics summed over the ``k`` steps and added to an on-device accumulator.
   The accumulator stays per replica (a ``PerReplica`` value): metric sums are
   reduced over replicas only when the host reads them, every ``log_every`` steps,
@@ -15,7 +15,7 @@ They are cached per user step (and ``k``): ``strategy.run`` compiles per functio
 object, so a new ``Trainer`` for the same step reuses the compiled programs.
 
 They also check what the user's step returns, at trace time, so a wrong structure is
-an error that says what was expected instead of a failure deep inside ``scan``.
+an error that says what was expected instead of a failure deep inside the trace.
 """
 
 from __future__ import annotations
@@ -138,9 +138,12 @@ def make_train_fn(train_step: Step, num_steps: int) -> Callable[..., Any]:
             return state, pack(m)
 
         def train_fn(state: Any, acc: Any, *batches: Any) -> tuple[Any, Any]:
-            stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *batches)
-            state, ms = jax.lax.scan(packed, state, stacked)
-            return state, acc + jnp.sum(ms, axis=0)
+            # Unrolled rather than lax.scan: no stacking copy, and XLA:CPU runs
+            # convolutions inside a scan loop several times slower (benchmarks/).
+            for batch in batches:
+                state, m = packed(state, batch)
+                acc = acc + m
+            return state, acc
 
     train_fn.__name__ = f"train_{num_steps}_{_name(train_step)}"
     return train_fn

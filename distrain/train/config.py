@@ -134,7 +134,7 @@ class TrainConfig:
       step_kwargs: extra keyword arguments bound into both steps.
       epochs: passes over the training data (``None``: as many as ``steps`` needs).
       steps: total training steps (a cap when ``epochs`` is also given).
-      steps_per_execution: steps fused into one dispatch with ``lax.scan``.
+      steps_per_execution: steps fused into one compiled dispatch.
       log_every: steps between host syncs for metrics.
       validation_freq: validate every this many epochs.
     """

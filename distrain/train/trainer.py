@@ -68,7 +68,7 @@ class Trainer:
       eval_step: ``eval_step(state, batch) -> metrics`` for ``evaluate`` and validation.
       predict_step: ``predict_step(state, batch) -> outputs`` (per-example arrays).
       callbacks: ``dt.callbacks.Callback`` objects used by every ``fit``.
-      steps_per_execution: steps fused into one dispatch with ``lax.scan`` (``k`` batches
+      steps_per_execution: steps fused into one compiled dispatch (``k`` batches
         per ``strategy.run``); larger values cut per-step host overhead for small models.
       log_every: steps between host syncs that read the metrics (progress bar,
         TensorBoard, ``TerminateOnNaN``); epochs always end with one.
