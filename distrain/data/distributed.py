@@ -121,7 +121,9 @@ def shard_global_batch(strategy: Strategy, batch: Any) -> PerReplica:
     leaves, treedef = jax.tree.flatten(batch)
     _per_replica(_batch_size(leaves, treedef), strategy.num_replicas_in_sync)
     sharding = strategy._split
-    if jax.process_count() == 1:
+    if all(isinstance(x, jax.Array) and x.sharding == sharding for x in leaves):
+        arrays = leaves  # already placed: device_put would still cost ~0.3 ms per batch
+    elif jax.process_count() == 1:
         arrays = jax.device_put(leaves, sharding)
     else:
         arrays = [
