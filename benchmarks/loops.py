@@ -291,11 +291,6 @@ class TrainerFit(Bench):
             self.state, self.data, steps=total, callbacks=[Clock()], **kwargs
         )
         jax.block_until_ready(state)
-        # Trainer.fit leaves its input iterator's prefetch thread running (reported);
-        # stop it so repeats do not pile up threads that slow every configuration.
-        it = getattr(getattr(self.trainer, "_passes", None), "_it", None)
-        if hasattr(it, "close"):
-            it.close()
         sample = clock["watch"].sample(total - int(clock["step0"]))
         self.state = state
         sample["startup_ms"] = (clock["first"] - t_call) * 1e3

@@ -32,6 +32,7 @@ from flax import nnx
 
 import distrain as dt
 from distrain.data import ArrayPipeline
+from examples.common import masked_accuracy
 from examples.mobilenet_v2 import data as data_lib
 from examples.mobilenet_v2.model import MobileNetV2
 
@@ -132,19 +133,7 @@ def evaluate(
     data: dict[str, np.ndarray],
     global_batch_size: int,
 ) -> float:
-    pipe = ArrayPipeline(
-        data,
-        global_batch_size=global_batch_size,
-        shuffle=False,
-        num_epochs=1,
-        drop_remainder=False,
-        mask_key="mask",
-    )
-    correct = [
-        strategy.reduce("sum", strategy.run(eval_step, args=(graphdef, state, batch)))
-        for batch in strategy.experimental_distribute_dataset(pipe)
-    ]
-    return float(jnp.sum(jnp.stack(correct))) / pipe.num_examples
+    return masked_accuracy(strategy, eval_step, (graphdef, state), data, global_batch_size)
 
 
 def create_state(config: Config, strategy: dt.Strategy) -> tuple[nnx.GraphDef, dt.TrainState]:

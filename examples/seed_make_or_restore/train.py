@@ -43,6 +43,7 @@ from flax import nnx
 import distrain as dt
 from distrain.checkpoint import CheckpointManager, Restored
 from distrain.data import ArrayPipeline
+from examples.common import masked_accuracy
 
 DATASETS = ("digits", "mnist")
 
@@ -174,19 +175,7 @@ def evaluate(
     global_batch_size: int,
 ) -> float:
     """Accuracy on ``data`` over all replicas; the last batch is padded and masked."""
-    pipe = ArrayPipeline(
-        data,
-        global_batch_size=global_batch_size,
-        shuffle=False,
-        num_epochs=1,
-        drop_remainder=False,
-        mask_key="mask",
-    )
-    correct = [
-        strategy.reduce("sum", strategy.run(eval_step, args=(graphdef, params, batch)))
-        for batch in strategy.experimental_distribute_dataset(pipe)
-    ]
-    return float(jnp.sum(jnp.stack(correct))) / pipe.num_examples
+    return masked_accuracy(strategy, eval_step, (graphdef, params), data, global_batch_size)
 
 
 def run_training(
