@@ -51,6 +51,33 @@ __all__ = ["ArrayPipeline", "ArrayPipelineIterator"]
 ArrayTree = dict[str, np.ndarray] | tuple[np.ndarray, ...] | list[np.ndarray] | np.ndarray
 
 
+# XLA's CPU client adopts a host buffer without copying it when the buffer is aligned
+# to 64 bytes (numpy's own allocations are 16-byte aligned): gathering each batch into
+# an aligned buffer makes the later ``device_put`` free instead of a ~0.3 ms copy per
+# 512-row MNIST batch. The buffer is then shared with the device array, so batches are
+# returned read-only and never reused.
+_ALIGN = 64
+
+
+def _take_aligned(leaf: np.ndarray, idx: np.ndarray) -> np.ndarray:
+    """``np.take(leaf, idx, axis=0)`` into a fresh 64-byte-aligned array."""
+    shape = (len(idx), *leaf.shape[1:])
+    nbytes = int(np.prod(shape)) * leaf.dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    offset = -raw.ctypes.data % _ALIGN
+    out = raw[offset : offset + nbytes].view(leaf.dtype).reshape(shape)
+    # mode="clip": the indices are valid by construction, and the default mode="raise"
+    # buffers the result when `out` is given (twice as slow).
+    np.take(leaf, idx, axis=0, out=out, mode="clip")
+    return out
+
+
+def _read_only(leaves: list[np.ndarray]) -> list[np.ndarray]:
+    for leaf in leaves:
+        leaf.flags.writeable = False
+    return leaves
+
+
 def _check_int(name: str, value: Any, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}; received {name}={value!r}.")
@@ -88,6 +115,9 @@ class ArrayPipeline:
       num_steps: ``steps_per_epoch * num_epochs``, or ``None`` when infinite.
       process_local: always ``True``: batches hold only this process's rows.
       local_batch_size: ``B // P``, rows per batch on this process.
+
+    Every batch is a set of fresh, read-only arrays, aligned so that ``jax.device_put``
+    on CPU adopts them without a copy (copy a batch before changing it in place).
 
     Raises:
       ValueError: arrays of different lengths or no rows, a batch size not
@@ -275,19 +305,19 @@ class ArrayPipeline:
             share = rows_in_batch // self.process_count
             lo = start + self.process_index * share
             idx = perm[lo : lo + share]
-            leaves = [np.take(leaf, idx, axis=0) for leaf in self._leaves]
+            leaves = [_take_aligned(leaf, idx) for leaf in self._leaves]
             mask = np.ones(share, np.float32) if self.mask_key is not None else None
-            return self._unflatten(leaves, mask)
+            return self._unflatten(_read_only(leaves), mask)
         # Partial last batch padded to B rows: slice p of the padded batch.
         pos = start + self.process_index * b + np.arange(b)
         real = pos < N
         idx = perm[np.minimum(pos, N - 1)]
         leaves = []
         for leaf in self._leaves:
-            rows = np.take(leaf, idx, axis=0)
+            rows = _take_aligned(leaf, idx)
             rows[~real] = 0
             leaves.append(rows)
-        return self._unflatten(leaves, real.astype(np.float32))
+        return self._unflatten(_read_only(leaves), real.astype(np.float32))
 
     def batch(self, step: int) -> Any:
         """Returns this process's part of global batch ``step`` (random access).
