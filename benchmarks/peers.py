@@ -26,7 +26,14 @@ import threading
 from typing import Any
 
 from benchmarks.loops import Bench, Sample, Stopwatch
-from benchmarks.workloads import IMAGE_SHAPE, LEARNING_RATE, NUM_CLASSES, Workload, synthetic_data
+from benchmarks.workloads import (
+    IMAGE_SHAPE,
+    LEARNING_RATE,
+    NUM_CLASSES,
+    Workload,
+    max_pool_2x2,
+    synthetic_data,
+)
 
 MAX_BATCHES_PER_EPOCH = 32
 _TF_STRATEGIES: dict[int, Any] = {}
@@ -34,6 +41,12 @@ _TF_STRATEGIES: dict[int, Any] = {}
 
 def _keras_model(keras: Any, name: str) -> Any:
     layers = keras.layers
+    if keras.backend.backend() == "jax":
+        # The max-pool of benchmarks/workloads.py (XLA:CPU's reduce_window gradient is
+        # ~15x slower); TensorFlow keeps its native oneDNN MaxPooling2D.
+        pool = layers.Lambda(max_pool_2x2, output_shape=_pooled_shape)
+    else:
+        pool = layers.MaxPooling2D(2)
     if name == "mlp":
         body = [
             layers.Flatten(),
@@ -43,12 +56,16 @@ def _keras_model(keras: Any, name: str) -> Any:
     else:
         body = [
             layers.Conv2D(32, 3, activation="relu"),
-            layers.MaxPooling2D(2),
+            pool,
             layers.Conv2D(64, 3, activation="relu"),
             layers.Flatten(),
             layers.Dense(64, activation="relu"),
         ]
     return keras.Sequential([keras.Input(IMAGE_SHAPE), *body, layers.Dense(NUM_CLASSES)])
+
+
+def _pooled_shape(shape: tuple[Any, ...]) -> tuple[Any, ...]:
+    return (shape[0], shape[1] // 2, shape[2] // 2, shape[3])
 
 
 class KerasFit(Bench):

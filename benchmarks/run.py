@@ -45,6 +45,10 @@ from benchmarks.workloads import WORKLOADS
 ROOT = Path(__file__).resolve().parent.parent
 PEER_CONFIGS = {"keras_jax_fit": "keras_jax", "tf_mirrored_fit": "tf"}
 EXTRA_SCRIPTS = ("checkpoint_overhead", "multi_process", "parameter_server")
+# XLA flags for the JAX workers (hand-written, distrain, Keras on JAX alike): XLA:CPU's
+# YNNPACK fusions make the CNN step 1.7x slower on this machine and leave the MLP as
+# is (docs/performance.md). `--xla-cpu-flags ""` runs stock XLA.
+JAX_XLA_CPU_FLAGS = "--xla_cpu_experimental_ynn_fusion_type="
 
 
 class WorkerError(RuntimeError):
@@ -54,7 +58,7 @@ class WorkerError(RuntimeError):
 class Worker:
     """A ``benchmarks.worker`` subprocess; ``request`` sends one command, returns its reply."""
 
-    def __init__(self, kind: str, devices: int, log_dir: str) -> None:
+    def __init__(self, kind: str, devices: int, log_dir: str, xla_flags: str = "") -> None:
         self.kind, self.devices = kind, devices
         self.log_path = os.path.join(log_dir, f"worker-{kind}-{devices}.log")
         self._log = open(self.log_path, "w")  # noqa: SIM115 - closed in close()
@@ -63,7 +67,10 @@ class Worker:
             os.pathsep
         )
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.worker", "--kind", kind, "--devices", str(devices)],
+            [
+                *(sys.executable, "-m", "benchmarks.worker"),
+                *("--kind", kind, "--devices", str(devices), f"--xla-flags={xla_flags}"),
+            ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=self._log,
@@ -149,8 +156,11 @@ def run_device_count(
     repeats: int,
     log_dir: str,
     on_group: Callable[[dict[str, Any]], None] = lambda group: None,
+    xla_flags: str = JAX_XLA_CPU_FLAGS,
 ) -> list[dict[str, Any]]:
     """All groups (one per workload) on ``devices`` devices, repeats interleaved.
+
+    ``xla_flags`` are added to ``XLA_FLAGS`` in the JAX workers (not TensorFlow's).
 
     ``on_group`` receives each finished group (the runner saves partial results).
     """
@@ -179,7 +189,8 @@ def run_device_count(
                 kind = kinds[c]
                 try:
                     if kind not in workers:
-                        workers[kind] = Worker(kind, devices, log_dir)
+                        flags = "" if kind == "tf" else xla_flags
+                        workers[kind] = Worker(kind, devices, log_dir, flags)
                     _log(f"{name}/{devices}: setting up {c}")
                     rep = workers[kind].request(
                         {"op": "setup", "workload": name, "config": c, "steps": steps}, 600
@@ -315,6 +326,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         action="store_true",
         help="skip checkpoint_overhead / multi_process / parameter_server",
     )
+    p.add_argument(
+        "--xla-cpu-flags",
+        default=JAX_XLA_CPU_FLAGS,
+        help=f"XLA_FLAGS added in the JAX workers (default {JAX_XLA_CPU_FLAGS!r}; '' = stock)",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "latest.json"))
     p.add_argument("--plot", default=None, help="also write a PNG plot here")
     args = p.parse_args(argv)
@@ -360,6 +376,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "date": datetime.datetime.now().isoformat(timespec="seconds"),
             "steps": args.steps,
             "repeats": args.repeats,
+            "jax_xla_cpu_flags": args.xla_cpu_flags,
             "machine": _machine(),
         },
         "groups": [],
@@ -380,6 +397,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 log_dir,
                 # Partial results survive an interrupted run.
                 on_group=lambda g: (results["groups"].append(g), _write(results, out)),
+                xla_flags=args.xla_cpu_flags,
             )
         if not args.no_extras:
             results["extras"] = run_extras(args.quick, log_dir, 300 if args.quick else 600)

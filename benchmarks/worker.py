@@ -34,10 +34,11 @@ KINDS = ("jax", "keras_jax", "tf")
 PREFIX = "@@"
 
 
-def _configure_environment(kind: str, devices: int) -> None:
+def _configure_environment(kind: str, devices: int, xla_flags: str = "") -> None:
     flags = os.environ.get("XLA_FLAGS", "")
     flags = " ".join(f for f in flags.split() if "xla_force_host_platform_device_count" not in f)
-    os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}".strip()
+    flags = f"{flags} {xla_flags} --xla_force_host_platform_device_count={devices}"
+    os.environ["XLA_FLAGS"] = " ".join(flags.split())
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     if kind == "keras_jax":
         os.environ["KERAS_BACKEND"] = "jax"
@@ -113,8 +114,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kind", choices=KINDS, required=True)
     parser.add_argument("--devices", type=int, required=True)
+    parser.add_argument("--xla-flags", default="", help="added to XLA_FLAGS")
     args = parser.parse_args(argv)
-    _configure_environment(args.kind, args.devices)
+    _configure_environment(args.kind, args.devices, args.xla_flags)
     # Replies go to the real stdout; library chatter (Keras, TF, absl) to stderr.
     replies = os.fdopen(os.dup(sys.stdout.fileno()), "w")
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())

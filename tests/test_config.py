@@ -146,3 +146,23 @@ def test_import_paths_resolve_or_explain():
 def test_unknown_optimizer_suggests():
     with pytest.raises(ConfigError, match=r"no optimizer 'adamm'.*'adam"):
         _optimizer("adamm", 1e-3, {})
+
+
+@pytest.mark.parametrize("shape", [(3, 26, 26, 4), (2, 7, 9, 3)])
+def test_zoo_max_pool_matches_nnx_max_pool_values_and_gradients(shape):
+    import jax.numpy as jnp
+    from flax import nnx
+
+    from distrain.train.zoo import max_pool_2x2
+
+    x = jax.random.normal(jax.random.key(0), shape)
+    ct = jax.random.normal(jax.random.key(1), (shape[0], shape[1] // 2, shape[2] // 2, shape[3]))
+
+    def reference(x):
+        return nnx.max_pool(x, window_shape=(2, 2), strides=(2, 2))
+
+    # Through a ReLU, as in the CNN: its zeros tie inside a window.
+    out, vjp = jax.vjp(lambda x: max_pool_2x2(jax.nn.relu(x)), x)
+    ref_out, ref_vjp = jax.vjp(lambda x: reference(jax.nn.relu(x)), x)
+    assert jnp.array_equal(out, ref_out)
+    assert jnp.array_equal(vjp(ct)[0], ref_vjp(ct)[0])
