@@ -224,6 +224,7 @@ class ArrayPipeline:
 
         self._perm_cache: dict[int, np.ndarray] = {}
         self._perm_lock = threading.Lock()
+        self._last_perm: tuple[int, np.ndarray | None] = (-1, None)
         # A grain MapDataset of batch positions: element k = batch index within the
         # epoch, index = global step. Random access is what makes resume O(1).
         self._dataset = (
@@ -280,17 +281,22 @@ class ArrayPipeline:
 
     def permutation(self, epoch: int) -> np.ndarray:
         """Returns ``perm_e``, the row order of ``epoch`` (cached for the last two epochs)."""
-        if not self.shuffle:
-            return np.arange(self.num_examples)
-        key = epoch if self.reshuffle_each_epoch else 0
+        key = epoch if self.shuffle and self.reshuffle_each_epoch else 0
+        last_key, last = self._last_perm  # one atomic read: no lock on the per-batch path
+        if last_key == key:
+            return last
         with self._perm_lock:
             perm = self._perm_cache.get(key)
         if perm is None:
-            perm = np.random.default_rng([self.seed, key]).permutation(self.num_examples)
+            if self.shuffle:
+                perm = np.random.default_rng([self.seed, key]).permutation(self.num_examples)
+            else:
+                perm = np.arange(self.num_examples)
             with self._perm_lock:
                 if len(self._perm_cache) >= 2:
                     self._perm_cache.pop(min(self._perm_cache))
                 self._perm_cache[key] = perm
+        self._last_perm = (key, perm)
         return perm
 
     def _load(self, step: int, k: int) -> Any:
