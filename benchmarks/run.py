@@ -44,7 +44,7 @@ from benchmarks.workloads import WORKLOADS
 
 ROOT = Path(__file__).resolve().parent.parent
 PEER_CONFIGS = {"keras_jax_fit": "keras_jax", "tf_mirrored_fit": "tf"}
-EXTRA_SCRIPTS = ("checkpoint_overhead", "multi_process", "parameter_server")
+EXTRA_SCRIPTS = ("checkpoint_overhead", "multi_process", "parameter_server", "xla_cpu")
 # XLA flags for the JAX workers (hand-written, distrain, Keras on JAX alike): XLA:CPU's
 # YNNPACK fusions make the CNN step 1.7x slower on this machine and leave the MLP as
 # is (docs/performance.md). `--xla-cpu-flags ""` runs stock XLA.

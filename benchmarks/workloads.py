@@ -10,8 +10,8 @@ TensorFlow runs build the same layers with Keras (``benchmarks/peers.py``).
 * ``cnn``: Conv32(3x3)-MaxPool(2)-Conv64(3x3)-Dense64-Dense10 (the seed overview's
   CNN), NHWC, VALID padding. The 2x2 max-pool is the maximum of four strided slices:
   the same values and parameter gradients as ``lax.reduce_window``, whose gradient
-  (``select_and_scatter``) alone costs 59 ms of a 106 ms training step on XLA:CPU
-  against 4 ms for this form (see docs/performance.md). Keras on JAX gets the same
+  (``select_and_scatter``) made half of XLA:CPU's training step
+  (``python -m benchmarks.xla_cpu``; docs/performance.md). Keras on JAX gets the same
   form; TensorFlow keeps its native ``MaxPooling2D`` (its oneDNN kernel is fast).
 
 Example:
@@ -29,6 +29,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from distrain.train.zoo import max_pool_2x2
 
 Params = dict[str, Any]
 IMAGE_SHAPE = (28, 28, 1)
@@ -81,14 +83,6 @@ def _conv_apply(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
         x, p["w"], (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC")
     )
     return jax.nn.relu(y + p["b"])
-
-
-def max_pool_2x2(x: jax.Array) -> jax.Array:
-    """2x2/2 VALID max-pool of NHWC ``x`` as the maximum of its four strided slices."""
-    h, w = x.shape[1] // 2 * 2, x.shape[2] // 2 * 2
-    a, b = x[:, 0:h:2, 0:w:2], x[:, 0:h:2, 1:w:2]
-    c, d = x[:, 1:h:2, 0:w:2], x[:, 1:h:2, 1:w:2]
-    return jnp.maximum(jnp.maximum(a, b), jnp.maximum(c, d))
 
 
 def cnn_apply(params: Params, x: jax.Array) -> jax.Array:

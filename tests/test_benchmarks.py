@@ -143,3 +143,27 @@ def test_bad_arguments_are_rejected(capsys):
 def test_unknown_config_names_the_valid_ones():
     with pytest.raises(ValueError, match="Unknown JAX config 'nope'. Expected one of"):
         make_bench("nope", WORKLOADS["mlp"])
+
+
+def test_cnn_pool_forms_train_the_same_maths():
+    # benchmarks/xla_cpu.py times both forms; the suite's CNN uses the strided-slice one.
+    import dataclasses
+
+    import jax
+    import numpy as np
+
+    from benchmarks.workloads import synthetic_data
+    from benchmarks.xla_cpu import _reduce_window_cnn
+
+    ours = WORKLOADS["cnn"]
+    reference = dataclasses.replace(ours, apply=_reduce_window_cnn)
+    params = ours.init(jax.random.key(0))
+    data = synthetic_data(16)
+    y = data["y"]
+    for x in (data["x"], np.zeros_like(data["x"])):  # all-zero input: every window ties
+        a, b = (
+            jax.value_and_grad(lambda p, w=w, x=x: w.per_example_loss(p, x, y).mean())(params)
+            for w in (ours, reference)
+        )
+        for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+            np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-7)
