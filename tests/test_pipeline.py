@@ -174,24 +174,6 @@ def test_single_array_and_random_access():
         pipe.batch(5)
 
 
-def test_batches_are_fresh_read_only_and_adopted_by_device_put_without_copy():
-    import jax
-
-    pipe = _pipe(_data(41), drop_remainder=False, mask_key="mask", num_epochs=1, shuffle=False)
-    batches = list(iter(pipe))
-    for batch in (batches[0], batches[-1]):  # a full batch and the padded last one
-        for key in ("x", "y"):
-            leaf = batch[key]
-            assert leaf.ctypes.data % 64 == 0 and not leaf.flags.writeable
-            with pytest.raises(ValueError, match="read-only"):
-                leaf[0] = 0
-            on_device = jax.device_put(leaf, jax.devices("cpu")[0])
-            # The point of the alignment: XLA's CPU client uses the buffer as is.
-            assert on_device.unsafe_buffer_pointer() == leaf.ctypes.data
-    assert batches[0]["x"].ctypes.data != batches[1]["x"].ctypes.data
-    np.testing.assert_array_equal(batches[-1]["y"], [40] + [0] * 7)
-
-
 def test_throughput_is_vectorised():
     # A loose floor (the benchmark is >1000/s): a per-example python loop would be far slower.
     import time

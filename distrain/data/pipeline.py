@@ -51,33 +51,6 @@ __all__ = ["ArrayPipeline", "ArrayPipelineIterator"]
 ArrayTree = dict[str, np.ndarray] | tuple[np.ndarray, ...] | list[np.ndarray] | np.ndarray
 
 
-# XLA's CPU client adopts a host buffer without copying it when the buffer is aligned
-# to 64 bytes (numpy's own allocations are 16-byte aligned): gathering each batch into
-# an aligned buffer makes the later ``device_put`` free instead of a ~0.3 ms copy per
-# 512-row MNIST batch. The buffer is then shared with the device array, so batches are
-# returned read-only and never reused.
-_ALIGN = 64
-
-
-def _take_aligned(leaf: np.ndarray, idx: np.ndarray) -> np.ndarray:
-    """``np.take(leaf, idx, axis=0)`` into a fresh 64-byte-aligned array."""
-    shape = (len(idx), *leaf.shape[1:])
-    nbytes = int(np.prod(shape)) * leaf.dtype.itemsize
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    offset = -raw.ctypes.data % _ALIGN
-    out = raw[offset : offset + nbytes].view(leaf.dtype).reshape(shape)
-    # mode="clip": the indices are valid by construction, and the default mode="raise"
-    # buffers the result when `out` is given (twice as slow).
-    np.take(leaf, idx, axis=0, out=out, mode="clip")
-    return out
-
-
-def _read_only(leaves: list[np.ndarray]) -> list[np.ndarray]:
-    for leaf in leaves:
-        leaf.flags.writeable = False
-    return leaves
-
-
 def _check_int(name: str, value: Any, *, minimum: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}; received {name}={value!r}.")
@@ -115,9 +88,6 @@ class ArrayPipeline:
       num_steps: ``steps_per_epoch * num_epochs``, or ``None`` when infinite.
       process_local: always ``True``: batches hold only this process's rows.
       local_batch_size: ``B // P``, rows per batch on this process.
-
-    Every batch is a set of fresh, read-only arrays, aligned so that ``jax.device_put``
-    on CPU adopts them without a copy (copy a batch before changing it in place).
 
     Raises:
       ValueError: arrays of different lengths or no rows, a batch size not
@@ -224,7 +194,6 @@ class ArrayPipeline:
 
         self._perm_cache: dict[int, np.ndarray] = {}
         self._perm_lock = threading.Lock()
-        self._last_perm: tuple[int, np.ndarray | None] = (-1, None)
         # A grain MapDataset of batch positions: element k = batch index within the
         # epoch, index = global step. Random access is what makes resume O(1).
         self._dataset = (
@@ -281,22 +250,17 @@ class ArrayPipeline:
 
     def permutation(self, epoch: int) -> np.ndarray:
         """Returns ``perm_e``, the row order of ``epoch`` (cached for the last two epochs)."""
-        key = epoch if self.shuffle and self.reshuffle_each_epoch else 0
-        last_key, last = self._last_perm  # one atomic read: no lock on the per-batch path
-        if last_key == key:
-            return last
+        if not self.shuffle:
+            return np.arange(self.num_examples)
+        key = epoch if self.reshuffle_each_epoch else 0
         with self._perm_lock:
             perm = self._perm_cache.get(key)
         if perm is None:
-            if self.shuffle:
-                perm = np.random.default_rng([self.seed, key]).permutation(self.num_examples)
-            else:
-                perm = np.arange(self.num_examples)
+            perm = np.random.default_rng([self.seed, key]).permutation(self.num_examples)
             with self._perm_lock:
                 if len(self._perm_cache) >= 2:
                     self._perm_cache.pop(min(self._perm_cache))
                 self._perm_cache[key] = perm
-        self._last_perm = (key, perm)
         return perm
 
     def _load(self, step: int, k: int) -> Any:
@@ -311,19 +275,19 @@ class ArrayPipeline:
             share = rows_in_batch // self.process_count
             lo = start + self.process_index * share
             idx = perm[lo : lo + share]
-            leaves = [_take_aligned(leaf, idx) for leaf in self._leaves]
+            leaves = [np.take(leaf, idx, axis=0) for leaf in self._leaves]
             mask = np.ones(share, np.float32) if self.mask_key is not None else None
-            return self._unflatten(_read_only(leaves), mask)
+            return self._unflatten(leaves, mask)
         # Partial last batch padded to B rows: slice p of the padded batch.
         pos = start + self.process_index * b + np.arange(b)
         real = pos < N
         idx = perm[np.minimum(pos, N - 1)]
         leaves = []
         for leaf in self._leaves:
-            rows = _take_aligned(leaf, idx)
+            rows = np.take(leaf, idx, axis=0)
             rows[~real] = 0
             leaves.append(rows)
-        return self._unflatten(_read_only(leaves), real.astype(np.float32))
+        return self._unflatten(leaves, real.astype(np.float32))
 
     def batch(self, step: int) -> Any:
         """Returns this process's part of global batch ``step`` (random access).
