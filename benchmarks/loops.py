@@ -10,6 +10,9 @@ Configurations (the letters are those of ``docs/performance.md``):
 * ``jax_shard_map`` (a): ``jax.jit(jax.shard_map(step, check_vma=False))`` with an
   explicit ``psum`` of the gradients, donated state, and at most two steps in flight
   (wait on step ``i-2``) - the floor for framework overhead;
+* ``jax_shard_map_numpy`` (a'): the same loop fed the way a hand-written loop reads
+  shuffled host data: ``x[perm[k*B:(k+1)*B]]`` and an asynchronous ``jax.device_put``
+  two batches ahead - what any loop pays for a shuffled input, with no distrain code;
 * ``distrain_run`` (b): ``strategy.run(step, args=(state, batch), donate_argnums=(0,))``
   on pre-staged per-replica batches;
 * ``distrain_run_pipeline`` (c): the same, fed by
@@ -67,10 +70,13 @@ def _median_us(values: list[float]) -> float | None:
 
 
 class HandWritten(Bench):
-    """(a) ``jit(shard_map(...))`` + explicit ``psum``: the floor for framework overhead."""
+    """(a) ``jit(shard_map(...))`` + explicit ``psum``: the floor for framework overhead.
 
-    def __init__(self, workload: Workload) -> None:
-        self.w = workload
+    With ``numpy_feed``, (a'): batches gathered from shuffled host arrays every step.
+    """
+
+    def __init__(self, workload: Workload, numpy_feed: bool = False) -> None:
+        self.w, self.numpy_feed = workload, numpy_feed
 
     def setup(self) -> None:
         w, b = self.w, self.w.global_batch_size
@@ -99,9 +105,13 @@ class HandWritten(Bench):
         rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("d"))
         params = jax.device_put(w.init(jax.random.key(0)), rep)
         self.state = (params, jax.device_put(tx.init(params), rep))
-        self.batches = [
-            jax.device_put((hb["x"], hb["y"]), split) for hb in host_batches(w, NUM_STAGED)
-        ]
+        if self.numpy_feed:
+            self.batches: Iterator[Any] = _numpy_feed(w, split)
+        else:
+            staged = [
+                jax.device_put((hb["x"], hb["y"]), split) for hb in host_batches(w, NUM_STAGED)
+            ]
+            self.batches = itertools.cycle(staged)
         self.time(WARMUP_STEPS)
 
     def time(self, steps: int) -> Sample:
@@ -115,7 +125,7 @@ class HandWritten(Bench):
                 tw = pc()
                 in_flight.popleft().block_until_ready()
                 waits[i] = pc() - tw
-            x, y = batches[i % NUM_STAGED]
+            x, y = next(batches)
             calls[i] = pc()
             params, opt_state, loss = fn(params, opt_state, x, y)
             rets[i] = pc()
@@ -125,6 +135,21 @@ class HandWritten(Bench):
         sample = watch.sample(steps, gaps)
         self.state = (params, opt_state)
         return sample
+
+
+def _numpy_feed(w: Workload, sharding: NamedSharding) -> Iterator[Any]:
+    """Shuffled batches from host arrays, put on the devices two batches ahead."""
+    data = synthetic_data(w.global_batch_size * PIPELINE_BATCHES, seed=1)
+    x, y, b = data["x"], data["y"], w.global_batch_size
+    rng = np.random.default_rng(0)
+    ahead: collections.deque = collections.deque()
+    while True:
+        perm = rng.permutation(len(y))
+        for k in range(len(y) // b):
+            idx = perm[k * b : (k + 1) * b]
+            ahead.append(jax.device_put((x[idx], y[idx]), sharding))
+            if len(ahead) > 2:
+                yield ahead.popleft()
 
 
 class Stopwatch:
@@ -301,6 +326,7 @@ def make_bench(config: str, workload: Workload) -> Bench:
     """The :class:`Bench` named ``config`` (see the module docstring)."""
     factories: dict[str, Callable[[], Bench]] = {
         "jax_shard_map": lambda: HandWritten(workload),
+        "jax_shard_map_numpy": lambda: HandWritten(workload, numpy_feed=True),
         "distrain_run": lambda: StrategyRun(workload, pipeline=False),
         "distrain_run_pipeline": lambda: StrategyRun(workload, pipeline=True),
         "distrain_fit": lambda: TrainerFit(workload, 1, pipeline=False),
@@ -314,6 +340,7 @@ def make_bench(config: str, workload: Workload) -> Bench:
 
 JAX_CONFIGS = (
     "jax_shard_map",
+    "jax_shard_map_numpy",
     "distrain_run",
     "distrain_run_pipeline",
     "distrain_fit",

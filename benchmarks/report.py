@@ -17,6 +17,7 @@ from typing import Any
 
 LABELS = {
     "jax_shard_map": "(a) hand-written jit(shard_map)",
+    "jax_shard_map_numpy": "(a') hand-written + NumPy shuffled feed",
     "distrain_run": "(b) distrain strategy.run",
     "distrain_run_pipeline": "(c) strategy.run + ArrayPipeline",
     "distrain_fit": "(d) distrain Trainer.fit",
@@ -40,6 +41,14 @@ RATIOS: tuple[tuple[str, str, str, float | None, str], ...] = (
         "tf_mirrored_fit",
         2.0,
         "issue 8",
+    ),
+    # No target: what any loop pays for shuffled host input (no distrain code involved).
+    (
+        "hand-written NumPy-fed / hand-written",
+        "jax_shard_map_numpy",
+        "jax_shard_map",
+        None,
+        "reference",
     ),
     # No target: how far any JAX loop could get past the peers (the floor's own
     # margin, with data already on the devices); a peer target above it is out of reach.
@@ -224,7 +233,7 @@ def plot(results: dict[str, Any], path: str) -> None:
         hi = [g["configs"][n]["max_steps_per_sec"] - m for n, m in zip(names, med, strict=True)]
         colors = [
             "#888888"
-            if n == "jax_shard_map"
+            if n.startswith("jax_shard_map")
             else "#1f77b4"
             if n.startswith("distrain")
             else "#d62728"
