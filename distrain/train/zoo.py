@@ -67,6 +67,11 @@ def max_pool_2x2(x: jax.Array) -> jax.Array:
     Same values and parameter gradients; on XLA:CPU the gradient of ``reduce_window``
     (``select_and_scatter``) costs ~15x more than that of ``maximum`` of slices, which
     made it half of this CNN's training step (docs/performance.md).
+
+    Example:
+      >>> max_pool_2x2(jnp.arange(16.0).reshape(1, 4, 4, 1))[0, :, :, 0]
+      Array([[ 5.,  7.],
+             [13., 15.]], dtype=float32)
     """
     h, w = x.shape[1] // 2 * 2, x.shape[2] // 2 * 2
     top, bottom = x[:, 0:h:2], x[:, 1:h:2]
