@@ -13,6 +13,8 @@ Configurations (the letters are those of ``docs/performance.md``):
 * ``jax_shard_map_numpy`` (a'): the same loop fed the way a hand-written loop reads
   shuffled host data: ``x[perm[k*B:(k+1)*B]]`` and an asynchronous ``jax.device_put``
   two batches ahead - what any loop pays for a shuffled input, with no distrain code;
+* ``jax_shard_map_spe`` (a"): (a) with ``SPE`` steps unrolled in each compiled call, as
+  ``Trainer(steps_per_execution=SPE)`` does - what fewer dispatches give any loop;
 * ``distrain_run`` (b): ``strategy.run(step, args=(state, batch), donate_argnums=(0,))``
   on pre-staged per-replica batches;
 * ``distrain_run_pipeline`` (c): the same, fed by
@@ -72,31 +74,39 @@ def _median_us(values: list[float]) -> float | None:
 class HandWritten(Bench):
     """(a) ``jit(shard_map(...))`` + explicit ``psum``: the floor for framework overhead.
 
-    With ``numpy_feed``, (a'): batches gathered from shuffled host arrays every step.
+    With ``numpy_feed``, (a'): batches gathered from shuffled host arrays every step;
+    with ``steps_per_call=k``, (a"): k steps unrolled in one compiled call.
     """
 
-    def __init__(self, workload: Workload, numpy_feed: bool = False) -> None:
-        self.w, self.numpy_feed = workload, numpy_feed
+    def __init__(
+        self, workload: Workload, numpy_feed: bool = False, steps_per_call: int = 1
+    ) -> None:
+        self.w, self.numpy_feed, self.k = workload, numpy_feed, steps_per_call
 
     def setup(self) -> None:
         w, b = self.w, self.w.global_batch_size
         tx = optax.adam(LEARNING_RATE)
         mesh = Mesh(np.array(jax.devices()), ("d",))
 
-        def step(params, opt_state, x, y):  # per replica: local rows of x, y
+        def one_step(params, opt_state, x, y):  # per replica: local rows of x, y
             def loss_fn(p):
                 return w.per_example_loss(p, x, y).sum() / b
 
             loss, grads = jax.value_and_grad(loss_fn)(params)
             grads = jax.lax.psum(grads, "d")
             updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss[None]
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        def step(params, opt_state, *xys):  # k (x, y) pairs, unrolled
+            for x, y in zip(xys[::2], xys[1::2], strict=True):
+                params, opt_state, loss = one_step(params, opt_state, x, y)
+            return params, opt_state, loss[None]
 
         self.fn = jax.jit(
             jax.shard_map(
                 step,
                 mesh=mesh,
-                in_specs=(P(), P(), P("d"), P("d")),
+                in_specs=(P(), P(), *[P("d")] * (2 * self.k)),
                 out_specs=(P(), P(), P("d")),
                 check_vma=False,
             ),
@@ -120,19 +130,20 @@ class HandWritten(Bench):
         in_flight: collections.deque = collections.deque()
         waits, calls, rets = [0.0] * steps, [0.0] * steps, [0.0] * steps
         watch = Stopwatch()
-        for i in range(steps):
-            if len(in_flight) >= 2:  # bounded: wait on step i-2 (see field notes)
+        calls_n = max(1, steps // self.k)
+        for i in range(calls_n):
+            if len(in_flight) >= 2:  # bounded: wait on call i-2 (see field notes)
                 tw = pc()
                 in_flight.popleft().block_until_ready()
                 waits[i] = pc() - tw
-            x, y = next(batches)
+            xys = [a for _ in range(self.k) for a in next(batches)]
             calls[i] = pc()
-            params, opt_state, loss = fn(params, opt_state, x, y)
+            params, opt_state, loss = fn(params, opt_state, *xys)
             rets[i] = pc()
             in_flight.append(loss)
         jax.block_until_ready((params, opt_state))
-        gaps = [calls[i + 1] - rets[i] - waits[i + 1] for i in range(steps - 1)]
-        sample = watch.sample(steps, gaps)
+        gaps = [calls[i + 1] - rets[i] - waits[i + 1] for i in range(calls_n - 1)]
+        sample = watch.sample(calls_n * self.k, gaps)
         self.state = (params, opt_state)
         return sample
 
@@ -327,6 +338,7 @@ def make_bench(config: str, workload: Workload) -> Bench:
     factories: dict[str, Callable[[], Bench]] = {
         "jax_shard_map": lambda: HandWritten(workload),
         "jax_shard_map_numpy": lambda: HandWritten(workload, numpy_feed=True),
+        "jax_shard_map_spe": lambda: HandWritten(workload, steps_per_call=SPE),
         "distrain_run": lambda: StrategyRun(workload, pipeline=False),
         "distrain_run_pipeline": lambda: StrategyRun(workload, pipeline=True),
         "distrain_fit": lambda: TrainerFit(workload, 1, pipeline=False),
@@ -341,6 +353,7 @@ def make_bench(config: str, workload: Workload) -> Bench:
 JAX_CONFIGS = (
     "jax_shard_map",
     "jax_shard_map_numpy",
+    "jax_shard_map_spe",
     "distrain_run",
     "distrain_run_pipeline",
     "distrain_fit",

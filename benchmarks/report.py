@@ -18,6 +18,7 @@ from typing import Any
 LABELS = {
     "jax_shard_map": "(a) hand-written jit(shard_map)",
     "jax_shard_map_numpy": "(a') hand-written + NumPy shuffled feed",
+    "jax_shard_map_spe": '(a") hand-written, 8 steps per call',
     "distrain_run": "(b) distrain strategy.run",
     "distrain_run_pipeline": "(c) strategy.run + ArrayPipeline",
     "distrain_fit": "(d) distrain Trainer.fit",
@@ -41,6 +42,14 @@ RATIOS: tuple[tuple[str, str, str, float | None, str], ...] = (
         "tf_mirrored_fit",
         2.0,
         "issue 8",
+    ),
+    # No target: what unrolling 8 steps per compiled call gives a loop without distrain.
+    (
+        "hand-written k=8 / hand-written",
+        "jax_shard_map_spe",
+        "jax_shard_map",
+        None,
+        "reference",
     ),
     # No target: what any loop pays for shuffled host input (no distrain code involved).
     (
