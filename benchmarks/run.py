@@ -8,7 +8,7 @@ in a rotated order. Medians of those interleaved repeats, and their ratios, are 
 it reports: a slow spell of the (shared) machine hits every configuration alike.
 
 Then it runs the other benchmark scripts that are present (``checkpoint_overhead``,
-``multi_process``, ``parameter_server``) as ``python -m benchmarks.NAME --json PATH
+``multi_process``, ``parameter_server``, ``xla_cpu``) as ``python -m benchmarks.NAME --json PATH
 [--quick]`` and includes their JSON. It prints a table and writes JSON (``--out``)
 and, with ``--plot``, a PNG.
 
@@ -46,8 +46,8 @@ ROOT = Path(__file__).resolve().parent.parent
 PEER_CONFIGS = {"keras_jax_fit": "keras_jax", "tf_mirrored_fit": "tf"}
 EXTRA_SCRIPTS = ("checkpoint_overhead", "multi_process", "parameter_server", "xla_cpu")
 # XLA flags for the JAX workers (hand-written, distrain, Keras on JAX alike): XLA:CPU's
-# YNNPACK fusions make the CNN step 1.7x slower on this machine and leave the MLP as
-# is (docs/performance.md). `--xla-cpu-flags ""` runs stock XLA.
+# YNNPACK fusions make the CNN's gradient step 1.4-1.6x slower on this machine and the
+# MLP's no faster (`python -m benchmarks.xla_cpu`). `--xla-cpu-flags ""` runs stock XLA.
 JAX_XLA_CPU_FLAGS = "--xla_cpu_experimental_ynn_fusion_type="
 
 
@@ -324,7 +324,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--no-extras",
         action="store_true",
-        help="skip checkpoint_overhead / multi_process / parameter_server",
+        help="skip checkpoint_overhead / multi_process / parameter_server / xla_cpu",
     )
     p.add_argument(
         "--xla-cpu-flags",
