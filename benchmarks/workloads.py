@@ -85,9 +85,11 @@ def _conv_apply(p: dict[str, jax.Array], x: jax.Array) -> jax.Array:
     return jax.nn.relu(y + p["b"])
 
 
-def cnn_apply(params: Params, x: jax.Array) -> jax.Array:
+def cnn_apply(
+    params: Params, x: jax.Array, pool: Callable[[jax.Array], jax.Array] = max_pool_2x2
+) -> jax.Array:
     h = _conv_apply(params["c1"], x)  # 26x26x32
-    h = max_pool_2x2(h)  # 13x13x32
+    h = pool(h)  # 13x13x32
     h = _conv_apply(params["c2"], h)  # 11x11x64
     h = h.reshape(h.shape[0], -1)
     h = jax.nn.relu(h @ params["d1"]["w"] + params["d1"]["b"])

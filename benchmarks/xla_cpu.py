@@ -41,22 +41,18 @@ SETTINGS = (
 MODELS = ("mlp", "cnn", "cnn_reduce_window")
 
 
-def _reduce_window_cnn(params: Any, x: Any) -> Any:
+def reduce_window_pool(h: Any) -> Any:
+    """2x2/2 VALID max-pool as ``lax.reduce_window`` (what ``nnx.max_pool`` lowers to)."""
     import jax
     import jax.numpy as jnp
 
-    from benchmarks import workloads as wl
-
-    h = wl._conv_apply(params["c1"], x)
-    h = jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
-    h = wl._conv_apply(params["c2"], h)
-    h = jax.nn.relu(h.reshape(h.shape[0], -1) @ params["d1"]["w"] + params["d1"]["b"])
-    return h @ params["out"]["w"] + params["out"]["b"]
+    return jax.lax.reduce_window(h, -jnp.inf, jax.lax.max, (1, 2, 2, 1), (1, 2, 2, 1), "VALID")
 
 
 def child(repeats: int) -> dict[str, float]:
     """In the process whose ``XLA_FLAGS`` are set: ms per gradient step of each model."""
     import dataclasses
+    import functools
 
     import jax
     import jax.numpy as jnp
@@ -67,7 +63,9 @@ def child(repeats: int) -> dict[str, float]:
     for name in MODELS:
         w = wl.WORKLOADS[name.split("_")[0]]
         if name == "cnn_reduce_window":
-            w = dataclasses.replace(w, apply=_reduce_window_cnn)
+            w = dataclasses.replace(
+                w, apply=functools.partial(wl.cnn_apply, pool=reduce_window_pool)
+            )
         data = wl.synthetic_data(w.global_batch_size)
         x, y = jnp.asarray(data["x"]), jnp.asarray(data["y"])
         params = w.init(jax.random.key(0))

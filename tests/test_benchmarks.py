@@ -148,15 +148,18 @@ def test_unknown_config_names_the_valid_ones():
 def test_cnn_pool_forms_train_the_same_maths():
     # benchmarks/xla_cpu.py times both forms; the suite's CNN uses the strided-slice one.
     import dataclasses
+    import functools
 
     import jax
     import numpy as np
 
-    from benchmarks.workloads import synthetic_data
-    from benchmarks.xla_cpu import _reduce_window_cnn
+    from benchmarks.workloads import cnn_apply, synthetic_data
+    from benchmarks.xla_cpu import reduce_window_pool
 
     ours = WORKLOADS["cnn"]
-    reference = dataclasses.replace(ours, apply=_reduce_window_cnn)
+    reference = dataclasses.replace(
+        ours, apply=functools.partial(cnn_apply, pool=reduce_window_pool)
+    )
     params = ours.init(jax.random.key(0))
     data = synthetic_data(16)
     y = data["y"]
