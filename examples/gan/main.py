@@ -15,6 +15,8 @@ import dataclasses
 import json
 import os
 
+from examples.cpu_devices import use_cpu_devices
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -30,10 +32,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    # Must happen before JAX initialises its CPU backend.
-    if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
-        flags = os.environ.get("XLA_FLAGS", "")
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={args.devices}"
+    use_cpu_devices(args.devices)  # before JAX initialises its CPU backend
     import distrain as dt
 
     from . import train

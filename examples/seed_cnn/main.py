@@ -8,20 +8,9 @@ Kept short on purpose: the logic is in ``train.py``, which the tests import.
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
 
-
-def use_cpu_devices(n: int) -> None:
-    """Asks XLA for ``n`` virtual CPU devices, one replica each.
-
-    XLA reads the flag once, when JAX creates its CPU backend (the first time any
-    device is used), so it must be set before that; it has no effect afterwards
-    (e.g. under pytest, whose conftest already set 8) and none on GPUs or TPUs.
-    """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+from examples.cpu_devices import mirrored_strategy, use_cpu_devices
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -45,17 +34,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None):
     args = parse_args(argv)
     use_cpu_devices(args.devices)
-    import jax  # after use_cpu_devices: the flag must be set before the backend starts
-
-    import distrain as dt
+    strategy = mirrored_strategy(args.devices)
     from examples.seed_cnn import train
 
-    if jax.device_count() < args.devices:
-        raise ValueError(
-            f"--devices {args.devices} asks for more replicas than JAX has devices "
-            f"({jax.device_count()}); XLA_FLAGS was set before this command ran. Use "
-            f"--devices {jax.device_count()} or fewer."
-        )
     config = train.Config(
         dataset=args.dataset,
         epochs=args.epochs,
@@ -64,7 +45,6 @@ def main(argv: Sequence[str] | None = None):
         seed=args.seed,
         max_steps=args.max_steps,
     )
-    strategy = dt.MirroredStrategy(jax.devices()[: args.devices])
     result = train.train(config, strategy)
     print(
         f"test accuracy {result.test_accuracy:.4f} after {result.steps} steps on "

@@ -9,15 +9,9 @@ last checkpoint left off and ends with the same parameters as an uninterrupted r
 from __future__ import annotations
 
 import argparse
-import os
 from collections.abc import Sequence
 
-
-def use_cpu_devices(n: int) -> None:
-    """Asks XLA for ``n`` virtual CPU devices (read once, when JAX starts its backend)."""
-    flags = os.environ.get("XLA_FLAGS", "")
-    if "xla_force_host_platform_device_count" not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={n}".strip()
+from examples.cpu_devices import mirrored_strategy, use_cpu_devices
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -47,16 +41,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None):
     args = parse_args(argv)
     use_cpu_devices(args.devices)
-    import jax  # after use_cpu_devices: the flag must be set before the backend starts
-
-    import distrain as dt
+    strategy = mirrored_strategy(args.devices)
     from examples.seed_make_or_restore import train
 
-    if jax.device_count() < args.devices:
-        raise ValueError(
-            f"--devices {args.devices} asks for more replicas than JAX has devices "
-            f"({jax.device_count()}). Use --devices {jax.device_count()} or fewer."
-        )
     config = train.Config(
         dataset=args.dataset,
         epochs=args.epochs,
@@ -65,7 +52,6 @@ def main(argv: Sequence[str] | None = None):
         seed=args.seed,
         save_every_steps=args.save_every_steps,
     )
-    strategy = dt.MirroredStrategy(jax.devices()[: args.devices])
     result = train.run_training(config, args.ckpt_dir, strategy)
     print(
         f"test accuracy {result.test_accuracy:.4f}; this run trained {result.steps_this_run} "
