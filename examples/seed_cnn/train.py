@@ -34,15 +34,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 from flax import nnx
 
 import distrain as dt
 from distrain.data import ArrayPipeline
-from examples.common import masked_accuracy
-
-DATASETS = ("digits", "mnist")
+from examples.common import DATASETS, evaluate_classifier, load_data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,15 +99,6 @@ class Result:
     state: Any
 
 
-def load_data(name: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """``(train, test)`` dicts of ``image`` float32 ``[N, H, W, 1]`` and ``label`` int32."""
-    if name == "digits":
-        return dt.data.load_digits("train"), dt.data.load_digits("test")
-    if name == "mnist":  # downloads ~11 MB into ~/.cache/distrain/mnist the first time
-        return dt.data.load_mnist("train"), dt.data.load_mnist("test")
-    raise ValueError(f"dataset must be one of {DATASETS}; received {name!r}.")
-
-
 def train_step(graphdef: nnx.GraphDef, state: dt.TrainState, batch: dict[str, jax.Array]):
     """One step on one replica's slice of the global batch."""
 
@@ -121,23 +109,6 @@ def train_step(graphdef: nnx.GraphDef, state: dt.TrainState, batch: dict[str, ja
 
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), loss
-
-
-def eval_step(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
-    """Number of correct predictions among this replica's real (unpadded) rows."""
-    logits = nnx.merge(graphdef, params)(batch["image"])
-    return jnp.sum((jnp.argmax(logits, -1) == batch["label"]) * batch["mask"])
-
-
-def evaluate(
-    strategy: dt.Strategy,
-    graphdef: nnx.GraphDef,
-    params: Any,
-    data: dict[str, np.ndarray],
-    global_batch_size: int,
-) -> float:
-    """Accuracy on ``data``, computed on all replicas; the last batch is padded and masked."""
-    return masked_accuracy(strategy, eval_step, (graphdef, params), data, global_batch_size)
 
 
 def train(config: Config, strategy: dt.Strategy, *, log: Callable[[str], None] = print) -> Result:
@@ -175,7 +146,9 @@ def train(config: Config, strategy: dt.Strategy, *, log: Callable[[str], None] =
             steps += 1
         if not losses:
             break
-        accuracy = evaluate(strategy, graphdef, state.params, test_data, config.global_batch_size)
+        accuracy = evaluate_classifier(
+            strategy, graphdef, state.params, test_data, config.global_batch_size
+        )
         record = {
             "epoch": epoch,
             "train_loss": float(jnp.mean(jnp.stack(losses))),

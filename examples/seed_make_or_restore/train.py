@@ -35,7 +35,6 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -43,9 +42,7 @@ from flax import nnx
 import distrain as dt
 from distrain.checkpoint import CheckpointManager, Restored
 from distrain.data import ArrayPipeline
-from examples.common import masked_accuracy
-
-DATASETS = ("digits", "mnist")
+from examples.common import DATASETS, evaluate_classifier, load_data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,15 +109,6 @@ class Result:
     seconds: float
 
 
-def load_data(name: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    """``(train, test)``; MNIST images are flattened to 784 features by the model."""
-    if name == "digits":
-        return dt.data.load_digits("train"), dt.data.load_digits("test")
-    if name == "mnist":  # downloads ~11 MB into ~/.cache/distrain/mnist the first time
-        return dt.data.load_mnist("train"), dt.data.load_mnist("test")
-    raise ValueError(f"dataset must be one of {DATASETS}; received {name!r}.")
-
-
 def get_compiled_model(
     config: Config, in_features: int, strategy: dt.Strategy
 ) -> tuple[nnx.GraphDef, dt.TrainState]:
@@ -159,23 +147,6 @@ def train_step(graphdef: nnx.GraphDef, state: dt.TrainState, batch: dict[str, ja
 
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), loss
-
-
-def eval_step(graphdef: nnx.GraphDef, params: Any, batch: dict[str, jax.Array]) -> jax.Array:
-    """Correct predictions among this replica's real (unpadded) rows."""
-    logits = nnx.merge(graphdef, params)(batch["image"])
-    return jnp.sum((jnp.argmax(logits, -1) == batch["label"]) * batch["mask"])
-
-
-def evaluate(
-    strategy: dt.Strategy,
-    graphdef: nnx.GraphDef,
-    params: Any,
-    data: dict[str, np.ndarray],
-    global_batch_size: int,
-) -> float:
-    """Accuracy on ``data`` over all replicas; the last batch is padded and masked."""
-    return masked_accuracy(strategy, eval_step, (graphdef, params), data, global_batch_size)
 
 
 def run_training(
@@ -229,7 +200,7 @@ def run_training(
             step_losses += [float(x) for x in jax.device_get(pending)]
             pending = []
             if epoch_end:
-                accuracy = evaluate(
+                accuracy = evaluate_classifier(
                     strategy, graphdef, state.params, test_data, config.global_batch_size
                 )
                 history.append(

@@ -36,8 +36,7 @@ from flax import nnx
 
 import distrain as dt
 from distrain.data import ArrayPipeline
-
-DATASETS = ("digits", "mnist")
+from examples.common import DATASETS, load_data
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,14 +90,6 @@ class Timing:
     """After the first step (steady state)."""
     final_loss: float
     test_accuracy: float
-
-
-def load_data(name: str) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
-    if name == "digits":
-        return dt.data.load_digits("train"), dt.data.load_digits("test")
-    if name == "mnist":  # downloads ~11 MB into ~/.cache/distrain/mnist the first time
-        return dt.data.load_mnist("train"), dt.data.load_mnist("test")
-    raise ValueError(f"dataset must be one of {DATASETS}; received {name!r}.")
 
 
 def init_state(config: Config, in_features: int) -> tuple[nnx.GraphDef, dt.TrainState]:
