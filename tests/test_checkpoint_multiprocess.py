@@ -10,7 +10,6 @@ over all 8 devices of both processes) is then restored here, in one process, ont
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,17 +24,12 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 from distrain.checkpoint import PREEMPTION_EXIT_CODE, CheckpointManager
+from distrain.cluster.launch import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "ckpt_multiprocess.py"
 TIMEOUT = 120
 
 pytestmark = pytest.mark.slow
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _target(devices, spec_rows):
@@ -53,7 +47,7 @@ def _target(devices, spec_rows):
 
 def _start_job(tmp_path, ckpt, name, *extra):
     """Starts the 2 processes; returns (procs, log files, queue of (process id, line))."""
-    port = _free_port()
+    port = free_port()
     env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
     procs, logs = [], []
     lines: queue.Queue = queue.Queue()

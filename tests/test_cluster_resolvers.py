@@ -15,6 +15,7 @@ from distrain.cluster import (
     resolve_cluster,
 )
 from distrain.cluster.base import parse_address
+from distrain.cluster.launch import free_port
 from distrain.cluster.runtime import check_port_free, wait_for_coordinator
 
 
@@ -324,9 +325,7 @@ def test_communication_options_from_env():
 
 # ------------------------------------------------------- coordinator probes
 def test_wait_for_coordinator_times_out_naming_the_address():
-    with socket.socket() as s:  # a port that was free a moment ago: nothing listens on it
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # free a moment ago: nothing listens there
     with pytest.raises(TimeoutError, match=rf"coordinator at 127.0.0.1:{port} within 0.5 s"):
         wait_for_coordinator(f"127.0.0.1:{port}", timeout=0.5)
 

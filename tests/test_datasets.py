@@ -5,7 +5,6 @@ import functools
 import gzip
 import hashlib
 import http.server
-import socket
 import threading
 from collections import Counter
 
@@ -13,6 +12,7 @@ import numpy as np
 import pytest
 
 import distrain.data.datasets as datasets
+from distrain.cluster.launch import free_port
 from distrain.data.datasets import MNIST_FILES, load_digits, load_mnist
 
 # --------------------------------------------------------------------------- digits
@@ -207,9 +207,7 @@ def test_load_mnist_truncated_idx_and_count_mismatch(tmp_path):
 
 
 def test_load_mnist_unreachable_says_url_and_cache(tmp_path):
-    with socket.socket() as s:  # a port that was free a moment ago: connection refused
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # free a moment ago: nothing listens there
     url = f"http://127.0.0.1:{port}/mnist/"
     cache = tmp_path / "cache"
     with pytest.raises(ConnectionError) as info:

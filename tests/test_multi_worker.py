@@ -8,25 +8,19 @@ distribute_datasets_from_function. TF_CONFIG clusters start too.
 
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+from distrain.cluster.launch import free_port
+from tests.processes import run_together
+
 SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN = str(SCRIPTS / "mw_train.py")
 PROBE = str(SCRIPTS / "mw_probe.py")
 TIMEOUT = 90  # seconds for one group of processes; the machine is shared and slow
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def clean_env(devices: int, **extra: str) -> dict[str, str]:
@@ -42,32 +36,6 @@ def clean_env(devices: int, **extra: str) -> dict[str, str]:
     return env
 
 
-def run_group(commands_and_envs, timeout=TIMEOUT):
-    """Starts processes together, waits for all; returns [(returncode, output)]; cleans up."""
-    procs = []
-    try:
-        for cmd, env in commands_and_envs:
-            procs.append(
-                subprocess.Popen(
-                    cmd,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-        results = []
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            results.append((p.returncode, out.decode(errors="replace")))
-        return results
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-
-
 def cluster(script_args, nproc, devices, timeout_s=20, **extra):
     port = free_port()
     jobs = []
@@ -81,7 +49,7 @@ def cluster(script_args, nproc, devices, timeout_s=20, **extra):
             **extra,
         )
         jobs.append(([sys.executable, *script_args], env))
-    return run_group(jobs)
+    return run_together(jobs, TIMEOUT)
 
 
 def load(out_dir, pid=0):
@@ -93,7 +61,9 @@ def load(out_dir, pid=0):
 def reference(tmp_path_factory):
     """One process x 4 devices, no cluster variables at all."""
     out = tmp_path_factory.mktemp("ref")
-    [(code, log)] = run_group([([sys.executable, TRAIN, "--out", str(out)], clean_env(4))])
+    [(code, log, _)] = run_together(
+        [([sys.executable, TRAIN, "--out", str(out)], clean_env(4))], TIMEOUT
+    )
     assert code == 0, log
     ref = load(out)
     assert (int(ref["nproc"]), int(ref["replicas"])) == (1, 4)
@@ -103,7 +73,7 @@ def reference(tmp_path_factory):
 @pytest.mark.parametrize("input_mode", ["global", "local"])
 def test_two_processes_match_one_process(tmp_path, reference, input_mode):
     results = cluster([TRAIN, "--out", str(tmp_path), "--input", input_mode], nproc=2, devices=2)
-    for code, log in results:
+    for code, log, _ in results:
         assert code == 0, log
     # Only the chief prints progress.
     assert "step 4 loss" in results[0][1] and "step 4 loss" not in results[1][1]
@@ -127,9 +97,9 @@ def test_tf_config_cluster_starts_with_chief_and_worker():
         jobs.append(
             ([sys.executable, PROBE], clean_env(2, TF_CONFIG=config, DISTRAIN_TIMEOUT_SECONDS="20"))
         )
-    results = run_group(jobs)
+    results = run_together(jobs, TIMEOUT)
     seen = []
-    for code, log in results:
+    for code, log, _ in results:
         assert code == 0, log
         seen.append(json.loads(log.split("OK ", 1)[1].splitlines()[0]))
     assert [s["task_type"] for s in seen] == ["chief", "worker"]
@@ -155,7 +125,7 @@ def test_slurm_variables_are_detected_through_jax():
         }
         jobs.append(([sys.executable, PROBE], clean_env(2, **slurm)))
     seen = []
-    for code, log in run_group(jobs):
+    for code, log, _ in run_together(jobs, TIMEOUT):
         assert code == 0, log
         seen.append(json.loads(log.split("OK ", 1)[1].splitlines()[0]))
     assert [(s["process_id"], s["is_chief"]) for s in seen] == [(0, True), (1, False)]

@@ -7,23 +7,17 @@ configured timeout, never a hang.
 
 import os
 import signal
-import socket
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
+from distrain.cluster.launch import free_port
+from tests.processes import run_together
+
 SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN = str(SCRIPTS / "mw_train.py")
 PROBE = str(SCRIPTS / "mw_probe.py")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def env_for(port, nproc, pid, devices=1, timeout_s=3):
@@ -44,35 +38,11 @@ def env_for(port, nproc, pid, devices=1, timeout_s=3):
     return env
 
 
-def run_all(jobs, timeout=60):
-    """Runs (argv, env) jobs together; returns [(returncode, output, seconds)]; cleans up."""
-    procs, started = [], time.monotonic()
-    try:
-        for argv, env in jobs:
-            procs.append(
-                subprocess.Popen(
-                    argv,
-                    env=env,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,
-                )
-            )
-        results = []
-        for p in procs:
-            out, _ = p.communicate(timeout=timeout)
-            results.append((p.returncode, out.decode(errors="replace"), time.monotonic() - started))
-        return results
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-
-
 def test_unreachable_coordinator_names_the_address():
     port = free_port()  # nobody listens there: process 0 never starts
-    [(code, log, seconds)] = run_all([([sys.executable, PROBE], env_for(port, 2, 1))])
+    [(code, log, seconds)] = run_together(
+        [([sys.executable, PROBE], env_for(port, 2, 1))], timeout=60
+    )
     assert code != 0
     assert f"TimeoutError: Could not reach the coordinator at 127.0.0.1:{port} within 3 s" in log
     assert seconds < 40
@@ -80,7 +50,9 @@ def test_unreachable_coordinator_names_the_address():
 
 def test_missing_peer_ends_the_coordinator_with_a_clear_error():
     port = free_port()  # process 1 never starts
-    [(code, log, seconds)] = run_all([([sys.executable, PROBE], env_for(port, 2, 0))])
+    [(code, log, seconds)] = run_together(
+        [([sys.executable, PROBE], env_for(port, 2, 0))], timeout=60
+    )
     assert code == 3, log
     assert f"not all 2 processes joined the cluster at 127.0.0.1:{port} within 3 s" in log
     assert seconds < 40
@@ -92,7 +64,7 @@ def test_processes_with_different_device_counts_fail_clearly():
         ([sys.executable, PROBE], env_for(port, 2, 0, devices=2, timeout_s=20)),
         ([sys.executable, PROBE], env_for(port, 2, 1, devices=3, timeout_s=20)),
     ]
-    for code, log, _ in run_all(jobs):
+    for code, log, _ in run_together(jobs, timeout=60):
         assert code != 0
         assert "same number of local devices" in log and "process 0: 2, process 1: 3" in log
 
@@ -102,7 +74,7 @@ def test_survivor_of_a_dead_peer_exits_within_the_timeout(tmp_path, dying):
     port = free_port()
     argv = [sys.executable, TRAIN, "--out", str(tmp_path), "--steps", "100000"]
     argv += ["--die-at", "3", "--kill-process", str(dying)]
-    results = run_all([(argv, env_for(port, 2, pid)) for pid in (0, 1)], timeout=60)
+    results = run_together([(argv, env_for(port, 2, pid)) for pid in (0, 1)], timeout=60)
     dead_code, _, _ = results[dying]
     survivor_code, survivor_log, seconds = results[1 - dying]
     assert dead_code == -signal.SIGKILL

@@ -31,8 +31,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
-from typing import IO
+from collections.abc import Callable, Sequence
+from typing import IO, Any
 
 from distrain.cluster.base import (
     ENV_COORDINATOR_ADDRESS,
@@ -54,41 +54,27 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, received {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, received {text!r}")
-    return value
+def _checked(
+    convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str
+) -> Callable[[str], Any]:
+    """An argparse ``type``: ``convert(text)``, rejected unless ``ok`` (says ``expected``)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, received {text!r}")
+        return value
+
+    return parse
 
 
-def _non_negative_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, received {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, received {text!r}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, received {text!r}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"expected seconds > 0, received {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = _non_negative_int(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"expected a port in 0..65535, received {text!r}")
-    return value
+_positive_int = _checked(int, lambda v: v >= 1, "an integer >= 1")
+_non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
+_positive_float = _checked(float, lambda v: v > 0, "seconds > 0")
+_port = _checked(int, lambda v: 0 <= v <= 65535, "a port in 0..65535")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

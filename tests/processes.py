@@ -1,0 +1,39 @@
+"""Starting test processes together and always cleaning them up."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+
+
+def run_together(jobs, timeout: float) -> list[tuple[int, str, float]]:
+    """Starts ``(argv, env)`` jobs at once and waits for all of them.
+
+    Returns ``[(returncode, output, seconds since the start)]`` in job order. Each job
+    runs in its own process group; whatever is still running when this returns (or a
+    wait times out) is killed with its children.
+    """
+    procs, started = [], time.monotonic()
+    try:
+        for argv, env in jobs:
+            procs.append(
+                subprocess.Popen(
+                    argv,
+                    env=env,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.STDOUT,
+                    start_new_session=True,
+                )
+            )
+        results = []
+        for p in procs:
+            out, _ = p.communicate(timeout=timeout)
+            results.append((p.returncode, out.decode(errors="replace"), time.monotonic() - started))
+        return results
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
