@@ -128,9 +128,9 @@ class HandWritten(Bench):
         params, opt_state = self.state
         batches, fn, pc = self.batches, self.fn, time.perf_counter
         in_flight: collections.deque = collections.deque()
-        waits, calls, rets = [0.0] * steps, [0.0] * steps, [0.0] * steps
-        watch = Stopwatch()
         calls_n = max(1, steps // self.k)
+        waits, calls, rets = [0.0] * calls_n, [0.0] * calls_n, [0.0] * calls_n
+        watch = Stopwatch()
         for i in range(calls_n):
             if len(in_flight) >= 2:  # bounded: wait on call i-2 (see field notes)
                 tw = pc()
