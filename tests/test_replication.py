@@ -157,3 +157,24 @@ def test_scan_inside_run_returns_replicated_state_and_per_replica_ys():
     assert isinstance(ys, dt.PerReplica)
     per = strategy.experimental_local_results(ys)
     np.testing.assert_allclose(np.asarray(per[1]), [6 + 7 + 8, 9 + 10 + 11])  # rows 2, 3
+
+
+def test_ordinary_higher_order_operations_need_no_warning():
+    def f(x, idx):
+        return x.at[idx].add(1.0), jnp.sort(x)  # scatter-add and sort carry sub-programs
+
+    jaxpr = _jaxpr(f, jnp.ones(4), jnp.array([0, 2]))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert R.varying_outputs(jaxpr, [False, False]) == [False, False]
+        assert R.varying_outputs(jaxpr, [False, True]) == [True, False]
+
+
+def test_an_unknown_primitive_whose_sub_program_reads_the_replica_id_is_varying(monkeypatch):
+    monkeypatch.setattr(R, "_warned", set())
+    inner = jax.make_jaxpr(lambda x: x + jax.lax.axis_index(AXIS), axis_env=[(AXIS, 4)])(1)
+    prim = core.Primitive("opaque_call")
+    prim.def_abstract_eval(lambda x, **_: x)
+    jaxpr = _jaxpr(lambda x: prim.bind(x, body=inner), jnp.int32(1))
+    with pytest.warns(RuntimeWarning, match="opaque_call.*reads the replica id"):
+        assert R.varying_outputs(jaxpr, [False]) == [True]

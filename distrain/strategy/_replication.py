@@ -190,7 +190,21 @@ def _rule(eqn: Any, ins: list[bool]) -> list[bool]:
             return varying_outputs(_open(sub), ins)
     if any(_names_axes(p.get(k)) for k in _AXIS_PARAMS):
         raise _Unknown("it names mesh axes, so it may be a collective")
-    if any(True for _ in _jaxprs_in_params(p)):
-        raise _Unknown("it holds sub-programs whose inputs it does not map one to one")
-    # An ordinary operation: a deterministic function of its operands.
+    if any(_makes_values_differ(_open(j)) for j in _jaxprs_in_params(p)):
+        raise _Unknown("its sub-program reads the replica id, calls the host or moves data")
+    # An ordinary operation (scatter-add's combiner, a sort's comparator included): a
+    # deterministic function of its operands.
     return [any(ins)] * n_out
+
+
+def _makes_values_differ(jaxpr: core.Jaxpr) -> bool:
+    """Whether a sub-program may produce per-replica values from identical inputs."""
+    for eqn in jaxpr.eqns:
+        name = eqn.primitive.name
+        if name in _VARYING or (
+            name not in _SYNCING and any(_names_axes(eqn.params.get(k)) for k in _AXIS_PARAMS)
+        ):
+            return True
+        if any(_makes_values_differ(_open(j)) for j in _jaxprs_in_params(eqn.params)):
+            return True
+    return False

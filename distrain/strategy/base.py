@@ -19,6 +19,7 @@ Separation of concerns:
 from __future__ import annotations
 
 import collections
+import collections.abc
 import functools
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from contextlib import AbstractContextManager
@@ -109,7 +110,7 @@ class Strategy:
     # -------------------------------------------------------------- placement
     def put_replicated(self, tree: Any) -> Any:
         """Places a pytree (e.g. the initial train state) where this strategy keeps state."""
-        return jax.device_put(tree, self._replicated)
+        return jax.device_put(check_placeable(tree), self._state_sharding)
 
     def distribute_batch(self, batch: Any) -> PerReplica:
         """Splits one global batch (a pytree of arrays) across the replicas, in order."""
@@ -153,29 +154,34 @@ class Strategy:
           >>> state, loss = strategy.run(step, args=(state, dist_batch))
         """
         context.require_cross_replica(self, "run")
-        args = tuple(args)
+        args, kwargs, donate_argnums = _check_run_arguments(fn, args, kwargs, donate_argnums)
         # Fast path (measured: 100-140 us less host time per call on the MNIST MLP).
         # PerReplica is a pytree node whose aux data (num_replicas, stacked) is in the
         # treedef, so the C++ flatten's treedef, the leaf types and the constants decide
         # which compiled function applies; no Python walk over the leaves on a hit.
-        flat, plain_def = jax.tree.flatten((args, kwargs or {}))
-        plan_key = (fn, plain_def, tuple(donate_argnums))
+        flat, plain_def = jax.tree.flatten((args, kwargs))
+        plan_key = (fn, plain_def, donate_argnums)
         plan = self._plans.get(plan_key)
         if plan is not None:
             arrays = plan.select(flat, self.num_replicas_in_sync)
             if arrays is not None:
                 for j in plan.broadcast:
                     arrays[j] = self._to_compute(arrays[j])
-                return self._dispatch(plan.compiled, arrays)
+                try:
+                    return self._dispatch(plan.compiled, arrays)
+                except (ValueError, TypeError):
+                    self._diagnose(args, kwargs)  # raises the clearer error when it finds one
+                    raise
         donated = _donated_leaves(args, donate_argnums)
-        leaves, treedef = jax.tree.flatten((args, kwargs or {}), is_leaf=_is_per_replica)
+        leaves, treedef = jax.tree.flatten((args, kwargs), is_leaf=_is_per_replica)
         kinds, arrays, static, donate = [], [], [], []
         for i, leaf in enumerate(leaves):
             if isinstance(leaf, PerReplica):
                 sub, subdef = jax.tree.flatten(leaf.value)
                 self._check_per_replica(leaf, sub)
                 kinds.append((_STACKED if leaf.stacked else _SPLIT, subdef, len(sub)))
-                donate.extend(range(len(arrays), len(arrays) + len(sub)) if i in donated else ())
+                # Per-replica leaves are never donated: jax 0.11.2 crashed (SIGSEGV, 8 CPU
+                # devices) when a stacked per-replica state was donated into the next step.
                 arrays.extend(sub)
             elif _is_array(leaf):
                 kinds.append((_BROADCAST,))
@@ -204,6 +210,11 @@ class Strategy:
         while len(self._in_flight) >= self._max_in_flight:
             self._in_flight.popleft().block_until_ready()
 
+    def _diagnose(self, args: tuple, kwargs: dict) -> None:
+        for leaf in jax.tree.leaves((args, kwargs), is_leaf=_is_per_replica):
+            if isinstance(leaf, PerReplica):
+                self._check_per_replica(leaf, jax.tree.leaves(leaf.value))
+
     def _check_per_replica(self, value: PerReplica, leaves: list[Any]) -> None:
         n = self.num_replicas_in_sync
         if value.num_replicas != n:
@@ -211,6 +222,16 @@ class Strategy:
                 f"A PerReplica value made for {value.num_replicas} replicas was passed to a "
                 f"strategy with {n} replicas. Distribute the data with this strategy."
             )
+        ours = set(self._devices)
+        for x in leaves:
+            if isinstance(x, jax.Array) and not x.sharding.device_set <= ours:
+                raise ValueError(
+                    "A PerReplica value placed on other devices than this strategy's was "
+                    f"passed to {self!r}: its devices are "
+                    f"{sorted(str(d) for d in x.sharding.device_set)}, the strategy's "
+                    f"{[str(d) for d in self._devices]}. Distribute the data with this "
+                    "strategy (strategy.experimental_distribute_dataset / distribute_batch)."
+                )
         for x in leaves:
             if not x.shape or x.shape[0] % n:
                 raise ValueError(
@@ -235,9 +256,12 @@ class Strategy:
                         sub = [x[0] for x in sub]
                     leaves.append(kind[1].unflatten(sub))
             args, kwargs = treedef.unflatten(leaves)
+            inputs = jax.tree.leaves((args, kwargs))
             ctx = ReplicaContext(self, axis, self._cross_device_ops)
             with context._enter_scope(self), context._enter_replica(ctx):
-                return fn(*args, **kwargs)
+                out = fn(*args, **kwargs)
+            _check_traced_step(fn, args, kwargs, inputs, out)
+            return out
 
         in_varying = [k[0] in (_SPLIT, _STACKED) for k in kinds for _ in range(_width(k))]
         in_specs = tuple(P(axis) if v else P() for v in in_varying)
@@ -247,6 +271,7 @@ class Strategy:
             closed, out_shape = jax.make_jaxpr(
                 per_replica, axis_env=[(axis, n)], return_shape=True
             )(*local)
+            _check_captured_consts(fn, closed.consts)
             varying = varying_outputs(closed.jaxpr, in_varying)
             out_tree = jax.tree.structure(out_shape)
 
@@ -274,44 +299,100 @@ class Strategy:
 
     # ---------------------------------------------------------- cross-replica
     def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
-        """Combines per-replica values into one (replicated) value.
+        """Combines the replicas' values of a result of ``run`` into one (replicated) value.
 
-        ``SUM`` / ``MEAN`` over replicas; with ``axis``, also over that axis of each
-        replica's value (``MEAN`` then averages over all elements of the global batch).
-        A value that is not per-replica can only be reduced with ``MEAN`` (it is the
-        same on every replica), as in TensorFlow.
+        As in TensorFlow, everything ``run`` returns is a distributed value: a
+        ``dt.PerReplica`` (one component per replica) or a *mirrored* array (identical on
+        every replica: the strategy keeps one copy). ``SUM`` adds the replicas'
+        components, so a mirrored value ``v`` sums to ``num_replicas_in_sync * v``;
+        ``MEAN`` averages them. With ``axis``, each component is also reduced over that
+        axis (``MEAN`` then averages over all elements of the global batch). ``value`` may
+        be any pytree of such values (a metrics object, a dict of losses).
+
+        Raises:
+          ValueError: ``SUM`` of an array that ``run`` did not return (it has no
+            replicas: TensorFlow raises too), or an ``axis`` the components do not have.
+          TypeError: a non-integer ``axis``.
+
+        Example:
+          >>> strategy.reduce("sum", strategy.run(lambda: jnp.float32(1)))  # 8.0 on 8 replicas
         """
         context.require_cross_replica(self, "reduce")
         op = ReduceOp.parse(op)
+        n = self.num_replicas_in_sync
 
         def one(x: Any) -> Any:
             if isinstance(x, PerReplica):
-                return _reducer(op, axis, x.stacked, x.num_replicas, self._replicated)(x.value)
-            if op is ReduceOp.SUM and self.num_replicas_in_sync > 1:
-                raise ValueError(
-                    "A value that is not per-replica cannot be reduced with SUM over "
-                    f"{self.num_replicas_in_sync} replicas (it would count one value "
-                    f"{self.num_replicas_in_sync} times). Received a {type(x).__name__}; pass "
-                    "the PerReplica result of `strategy.run`, or use MEAN."
+                self._check_per_replica_devices(x)
+                return jax.tree.map(
+                    lambda a: _reducer(
+                        op,
+                        _component_axis(axis, a, x.stacked, "reduce"),
+                        x.stacked,
+                        n,
+                        self._replicated,
+                    )(a),
+                    x.value,
                 )
-            return (
-                x
-                if axis is None
-                else jnp.mean(x, axis)
-                if op is ReduceOp.MEAN
-                else jnp.sum(x, axis)
-            )
+            if self._is_mirrored(x):
+                a = _component_axis(axis, x, False, "reduce")
+                return _mirrored_reducer(op, a, n, x.sharding)(x)
+            if op is ReduceOp.SUM and n > 1:
+                raise ValueError(
+                    f"Only results of `strategy.run` can be reduced with SUM over {n} "
+                    f"replicas. Received a value of type {type(x).__name__}: neither a "
+                    "dt.PerReplica nor an array this strategy placed on its replicas (it "
+                    f"would count one value {n} times). Pass what `strategy.run` returned, or "
+                    "use MEAN."
+                )
+            a = _component_axis(axis, x, False, "reduce")
+            x = jnp.asarray(x)
+            return x if a is None else jnp.mean(x, a) if op is ReduceOp.MEAN else jnp.sum(x, a)
 
         return jax.tree.map(one, value, is_leaf=_is_per_replica)
 
+    def _is_mirrored(self, x: Any) -> bool:
+        """Whether ``x`` is an array held identically by every replica (where state lives)."""
+        return isinstance(x, jax.Array) and x.sharding.is_equivalent_to(
+            self._state_sharding, x.ndim
+        )
+
+    @property
+    def _state_sharding(self) -> jax.sharding.Sharding:
+        """Where ``put_replicated`` and replicated ``run`` results live."""
+        return self._replicated
+
+    def _check_per_replica_devices(self, value: PerReplica) -> None:
+        self._check_per_replica(value, jax.tree.leaves(value.value))
+
     def gather(self, value: Any, axis: int = 0) -> Any:
-        """Concatenates the per-replica components of ``value`` along ``axis``, in replica order."""
+        """Concatenates the per-replica components of ``value`` along ``axis``, in replica order.
+
+        ``value`` may be any pytree of results of ``run`` or distributed batches. A
+        mirrored array contributes one copy per replica, as in TensorFlow.
+
+        Raises:
+          ValueError: an ``axis`` the components do not have.
+          TypeError: a non-integer ``axis``.
+        """
         context.require_cross_replica(self, "gather")
+        n = self.num_replicas_in_sync
 
         def one(x: Any) -> Any:
             if isinstance(x, PerReplica):
-                return _gatherer(axis, x.stacked, x.num_replicas, self._replicated)(x.value)
-            return jnp.concatenate([jnp.asarray(x)] * self.num_replicas_in_sync, axis)
+                self._check_per_replica_devices(x)
+                return jax.tree.map(
+                    lambda a: _gatherer(
+                        _component_axis(axis, a, x.stacked, "gather", scalar_ok=True),
+                        x.stacked,
+                        n,
+                        self._replicated,
+                    )(a),
+                    x.value,
+                )
+            x = jnp.asarray(x)
+            a = _component_axis(axis, x, False, "gather")
+            return jnp.concatenate([x] * n, a)
 
         return jax.tree.map(one, value, is_leaf=_is_per_replica)
 
@@ -436,6 +517,151 @@ class _Plan(NamedTuple):
         return arrays
 
 
+def check_placeable(tree: Any) -> Any:
+    """``tree`` if every leaf is an array or a number, else a TypeError naming the leaf."""
+    for path, leaf in jax.tree_util.tree_leaves_with_path(tree):
+        if not isinstance(leaf, jax.Array | np.ndarray | np.generic | int | float | complex):
+            raise TypeError(
+                f"State leaves must be arrays or numbers; the leaf at "
+                f"`{jax.tree_util.keystr(path) or 'the top level'}` is a "
+                f"{type(leaf).__name__} ({leaf!r:.60}). Keep non-array values out of the "
+                "state pytree (e.g. as a `struct.field(pytree_node=False)` of a dataclass)."
+            )
+        if isinstance(leaf, np.ndarray) and leaf.dtype.kind not in "biufc":
+            raise TypeError(
+                f"State leaves must have a numeric dtype; the leaf at "
+                f"`{jax.tree_util.keystr(path)}` has dtype {leaf.dtype}."
+            )
+    return tree
+
+
+def _fn_name(fn: Any) -> str:
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def _check_run_arguments(
+    fn: Any, args: Any, kwargs: Any, donate_argnums: Any
+) -> tuple[tuple, dict, tuple[int, ...]]:
+    """``run``'s arguments as TF takes them: a callable, a sequence of args, a mapping."""
+    if not callable(fn):
+        raise TypeError(
+            f"`strategy.run(fn, ...)` needs a function as `fn`. Received: {fn!r} of type "
+            f"{type(fn).__name__}."
+        )
+    if not isinstance(args, tuple | list):
+        raise TypeError(
+            f"`strategy.run({_fn_name(fn)}, args=...)` takes a tuple of positional arguments. "
+            f"Received a {type(args).__name__}; for one argument write `args=(x,)`."
+        )
+    if kwargs is None:
+        kwargs = {}
+    elif not isinstance(kwargs, collections.abc.Mapping):
+        raise TypeError(
+            f"`strategy.run({_fn_name(fn)}, kwargs=...)` takes a mapping of keyword arguments. "
+            f"Received a {type(kwargs).__name__}."
+        )
+    if isinstance(donate_argnums, int):
+        donate_argnums = (donate_argnums,)  # as jax.jit accepts
+    return tuple(args), dict(kwargs), tuple(donate_argnums)
+
+
+def _tracers(value: Any) -> bool:
+    return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(value))
+
+
+_LIBRARIES = ("jax", "jaxlib", "flax", "optax", "numpy", "orbax", "grain")
+
+
+def _captured(fn: Any, depth: int = 3, seen: set[int] | None = None) -> dict[str, Any]:
+    """The global and enclosing variables ``fn`` reads, and those of the functions it
+    reads that are not library code (trace-time diagnostics only)."""
+    seen = set() if seen is None else seen
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    fn = getattr(fn, "__func__", fn)
+    code, names = getattr(fn, "__code__", None), {}
+    if code is None or id(fn) in seen or depth == 0:
+        return names
+    seen.add(id(fn))
+    glob = getattr(fn, "__globals__", {})
+    names.update({n: glob[n] for n in code.co_names if n in glob})
+    for name, cell in zip(code.co_freevars, fn.__closure__ or (), strict=False):
+        try:
+            names[name] = cell.cell_contents
+        except ValueError:  # an empty cell
+            pass
+    for value in list(names.values()):
+        module = getattr(value, "__module__", None) or ""
+        if callable(value) and module.split(".")[0] not in _LIBRARIES:
+            names.update(_captured(value, depth - 1, seen))
+    return names
+
+
+def check_no_leaks(fn: Any) -> None:
+    """Raises when tracing ``fn`` left traced values in its global or enclosing variables.
+
+    ``run`` traces a replica function once: a TF-style step that assigns its new state
+    to a variable instead of returning it would train nothing (a constant loss).
+    """
+    leaked = sorted(n for n, v in _captured(fn).items() if _tracers(v))
+    if leaked:
+        raise RuntimeError(
+            f"`{_fn_name(fn)}` stored traced values in {leaked} (global or enclosing "
+            "variables) instead of returning them. `strategy.run` compiles the function "
+            "once, so state must flow through arguments and results: pass the state in and "
+            "return the new one, e.g. `def step(state, batch): ...; return new_state, loss` "
+            "and `state, loss = strategy.run(step, args=(state, batch))`."
+        )
+
+
+def _check_traced_step(fn: Any, args: tuple, kwargs: dict, inputs: list, out: Any) -> None:
+    """Catches a TF-style step that mutates state instead of returning it (at trace time).
+
+    ``run`` traces ``fn`` once: a step that assigns new values to a global or enclosing
+    variable, or changes its arguments in place, would leave the traced values behind and
+    train nothing (a constant loss), so it is an error.
+    """
+    check_no_leaks(fn)
+    after = jax.tree.leaves((args, kwargs))
+    if len(after) != len(inputs) or any(a is not b for a, b in zip(after, inputs, strict=True)):
+        raise RuntimeError(
+            f"`{_fn_name(fn)}` changed its arguments in place. `strategy.run` compiles the "
+            "function once and does not see in-place changes: return the new values instead "
+            "(e.g. `return state.replace(params=new_params), loss`)."
+        )
+    for path, leaf in jax.tree_util.tree_leaves_with_path(out):
+        if not isinstance(leaf, jax.Array | np.ndarray | np.generic | int | float | bool):
+            raise TypeError(
+                f"`{_fn_name(fn)}` returned a {type(leaf).__name__} at "
+                f"`{jax.tree_util.keystr(path) or 'the top level'}`; a replica function "
+                "returns a pytree of arrays (or Python numbers)."
+            )
+
+
+def _check_captured_consts(fn: Any, consts: Sequence[Any]) -> None:
+    """Refuses arrays placed by a strategy that ``fn`` reads from globals or closures."""
+    placed = [
+        c
+        for c in consts
+        if isinstance(c, jax.Array)
+        and not isinstance(c, jax.core.Tracer)
+        and len(c.sharding.device_set) > 1
+    ]
+    if not placed:
+        return
+    names = sorted(
+        n
+        for n, v in _captured(fn).items()
+        if any(x is c for x in jax.tree.leaves(v) for c in placed)
+    )
+    raise ValueError(
+        f"`{_fn_name(fn)}` reads arrays placed on several devices from "
+        f"{names or 'global or enclosing variables'} instead of taking them as arguments. "
+        "Pass the state to the step and return the new one: "
+        "`state, loss = strategy.run(step, args=(state, batch))`."
+    )
+
+
 def _donated_leaves(args: tuple, donate_argnums: Sequence[int]) -> set[int]:
     """Indices (in the flattened ``(args, kwargs)``) of the leaves of donated args."""
     if not donate_argnums:
@@ -488,12 +714,57 @@ def _grouped(x: jax.Array, stacked: bool, n: int) -> jax.Array:
     return x if stacked else x.reshape(n, x.shape[0] // n, *x.shape[1:])
 
 
+def _component_axis(
+    axis: Any,
+    x: Any,
+    stacked: bool,
+    method: str,
+    *,
+    scalar_ok: bool = False,
+) -> int | None:
+    """``axis`` normalised to a component's dimensions, or a clear error.
+
+    A component of a stacked per-replica leaf has one dimension less than the leaf; a
+    split leaf's components (and a mirrored array) have the leaf's rank. Scalar components
+    are gathered one row each (``scalar_ok``), as TensorFlow does.
+    """
+    if axis is None:
+        return None
+    if isinstance(axis, bool) or not isinstance(axis, int | np.integer):
+        raise TypeError(
+            f"`strategy.{method}(..., axis=...)` takes an int or None. Received: "
+            f"axis={axis!r} of type {type(axis).__name__}."
+        )
+    ndim = np.ndim(x) - (1 if stacked else 0)
+    if ndim == 0 and scalar_ok:
+        return 0
+    if not -ndim <= axis < ndim:
+        raise ValueError(
+            f"`strategy.{method}(..., axis={axis})` is out of range for per-replica values of "
+            f"rank {ndim} (valid: {-ndim}..{ndim - 1})"
+            + ("; scalar values have no axis to reduce: pass axis=None." if ndim == 0 else ".")
+        )
+    return int(axis) % ndim
+
+
 @functools.cache
 def _reducer(op: ReduceOp, axis: int | None, stacked: bool, n: int, out: NamedSharding):
     def f(x: jax.Array) -> jax.Array:
         g = _grouped(x, stacked, n)
-        axes = (0,) if axis is None else (0, axis % (g.ndim - 1) + 1)
+        axes = (0,) if axis is None else (0, axis + 1)
         return jnp.mean(g, axes) if op is ReduceOp.MEAN else jnp.sum(g, axes)
+
+    return jax.jit(f, out_shardings=out)
+
+
+@functools.cache
+def _mirrored_reducer(op: ReduceOp, axis: int | None, n: int, out: jax.sharding.Sharding):
+    """Reduces an array every replica holds a copy of: SUM counts it ``n`` times."""
+
+    def f(x: jax.Array) -> jax.Array:
+        if axis is not None:
+            x = jnp.mean(x, axis) if op is ReduceOp.MEAN else jnp.sum(x, axis)
+        return x if op is ReduceOp.MEAN else x * jnp.asarray(n, x.dtype)
 
     return jax.jit(f, out_shardings=out)
 
@@ -504,7 +775,7 @@ def _gatherer(axis: int, stacked: bool, n: int, out: NamedSharding):
         g = _grouped(x, stacked, n)
         if g.ndim == 1:  # scalar components: one row each
             return g
-        a = axis % (g.ndim - 1)
+        a = axis
         g = jnp.moveaxis(g, 0, a)
         return g.reshape(*g.shape[:a], g.shape[a] * g.shape[a + 1], *g.shape[a + 2 :])
 

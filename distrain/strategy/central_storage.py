@@ -7,7 +7,7 @@ from typing import Any
 
 import jax
 
-from distrain.strategy.base import Strategy
+from distrain.strategy.base import Strategy, check_placeable
 from distrain.strategy.devices import DeviceSpec, parse_device, parse_devices
 from distrain.values import PerReplica
 
@@ -40,7 +40,11 @@ class CentralStorageStrategy(Strategy):
             self.parameter_device = parse_device(parameter_device, jax.devices() + _cpus())
 
     def put_replicated(self, tree: Any) -> Any:
-        return jax.device_put(tree, self.parameter_device)
+        return jax.device_put(check_placeable(tree), self.parameter_device)
+
+    @property
+    def _state_sharding(self) -> jax.sharding.Sharding:
+        return jax.sharding.SingleDeviceSharding(self.parameter_device)
 
     def _to_compute(self, x: jax.Array) -> jax.Array:
         return jax.device_put(x, self._replicated)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from distrain import context
+from distrain.strategy.base import check_no_leaks
 from distrain.train import metrics as metrics_lib
 from distrain.values import PerReplica
 
@@ -227,6 +228,7 @@ def trace_shapes(strategy: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -
         if axis is None:
             return jax.eval_shape(fn, *local_args)
         _, shapes = jax.make_jaxpr(fn, axis_env=[(axis, n)], return_shape=True)(*local_args)
+    check_no_leaks(fn)
     return shapes
 
 
