@@ -247,3 +247,32 @@ def test_donate_argnums_takes_an_int_as_jax_jit_does(mirrored):
 def test_a_string_leaf_in_the_state_is_named(mirrored):
     with pytest.raises(TypeError, match=r"leaf at `\['name'\]` is a str"):
         mirrored.put_replicated({"w": np.ones(2), "name": "model-a"})
+
+
+# ------------------------------------------------------------------- Trainer input
+def test_fit_refuses_a_negative_initial_epoch(mirrored):
+    from tests.linear_problem import new_state, problem, train_step
+
+    data = dt.data.ArrayPipeline(problem(64), global_batch_size=32)
+    with pytest.raises(ValueError, match="`initial_epoch` must be >= 0.*Received: -3"):
+        dt.Trainer(mirrored, train_step).fit(new_state(), data, epochs=1, initial_epoch=-3)
+
+
+def test_a_nan_loss_without_terminate_on_nan_warns_once(mirrored):
+    from tests.linear_problem import new_state, problem, train_step
+
+    arrays = problem(64)
+    arrays["x"][0, 0] = np.nan
+    data = dt.data.ArrayPipeline(arrays, global_batch_size=64, num_epochs=None)
+    trainer = dt.Trainer(mirrored, train_step, log_every=1)
+    with pytest.warns(RuntimeWarning, match="not finite at step 1.*TerminateOnNaN") as seen:
+        trainer.fit(new_state(), data, steps=3)
+    assert len([w for w in seen if "not finite" in str(w.message)]) == 1
+    with pytest.raises(FloatingPointError):  # with the callback: no warning, it stops
+        trainer.fit(new_state(), data, steps=3, callbacks=[dt.callbacks.TerminateOnNaN()])
+
+
+def test_apply_gradients_names_a_gradient_structure_mismatch(mirrored):
+    state = dt.TrainState.create(params={"w": jnp.ones(2), "b": jnp.ones(())}, tx=optax.sgd(1))
+    with pytest.raises(ValueError, match="(?s)structure of `params`.*grads:.*params:"):
+        state.apply_gradients(grads={"w": jnp.ones(2)})

@@ -65,6 +65,13 @@ class TrainState:
           all_reduce: sum ``grads`` over replicas first (in a replica context).
           **changes: other fields to replace, e.g. ``extra=...``.
         """
+        if jax.tree.structure(grads) != jax.tree.structure(self.params):
+            raise ValueError(
+                "`apply_gradients(grads=...)` needs gradients with the structure of "
+                f"`params`. Received:\n  grads:  {jax.tree.structure(grads)}\n  params: "
+                f"{jax.tree.structure(self.params)}\nTake the gradient with respect to "
+                "state.params, e.g. `jax.grad(loss_fn)(state.params, batch)`."
+            )
         ctx = context.get_replica_context()
         if all_reduce and ctx is not None:
             grads = ctx.all_reduce("sum", grads)

@@ -33,6 +33,7 @@ from distrain.context import get_strategy
 from distrain.train import _functions as F
 from distrain.train import _inference
 from distrain.train.callbacks.base import Callback, CallbackList, StepInfo
+from distrain.train.callbacks.control import TerminateOnNaN
 from distrain.train.history import History
 from distrain.train.metrics import Metric
 from distrain.train.progress import (
@@ -158,6 +159,8 @@ class Trainer:
         self._window_steps = 0
         self._epoch_sums: dict[str, Metric] | None = None
         self._passes: PassIterator | None = None
+        self._cbs: CallbackList | None = None
+        self._warned_not_finite = False
 
     def progress(self) -> dict[str, Any]:
         """The loop position as JSON-compatible data, for checkpoints.
@@ -265,6 +268,12 @@ class Trainer:
             if steps_per_epoch is not None
             else steps_per_epoch_of(data)
         )
+        if isinstance(initial_epoch, bool) or not isinstance(initial_epoch, int | np.integer):
+            raise TypeError(f"`initial_epoch` must be an int. Received: {initial_epoch!r}.")
+        if initial_epoch < 0:
+            raise ValueError(
+                f"`initial_epoch` must be >= 0 (epochs count from 0). Received: {initial_epoch}."
+            )
         self.epoch = self.initial_epoch = int(initial_epoch)
         self.global_step = self.initial_step = initial_epoch * (self.steps_per_epoch or 0)
         self.has_validation = validation_data is not None
@@ -273,7 +282,7 @@ class Trainer:
             self.state = self.state_snapshot()  # donation must not delete the caller's arrays
         self._passes = PassIterator(dist, self.steps_per_epoch)
         self._resumed_sums = None
-        cbs = CallbackList([*self.callbacks, *callbacks], self)
+        cbs = self._cbs = CallbackList([*self.callbacks, *callbacks], self)
         self.in_fit = True
         try:
             cbs.call("on_train_begin", None)
@@ -420,7 +429,24 @@ class Trainer:
             self._epoch_sums = host
         else:
             self._epoch_sums = {k: self._epoch_sums[k].merge(host[k]) for k in host}
-        return {k: m.compute() for k, m in host.items()}
+        logs = {k: m.compute() for k, m in host.items()}
+        self._warn_if_not_finite(logs)
+        return logs
+
+    def _warn_if_not_finite(self, logs: dict[str, Any]) -> None:
+        """Warns once per fit when a metric turns NaN/inf and nothing else will say so."""
+        if self._warned_not_finite or any(isinstance(cb, TerminateOnNaN) for cb in self._cbs or ()):
+            return
+        bad = {k: v for k, v in logs.items() if np.ndim(v) == 0 and not np.isfinite(v)}
+        if bad:
+            self._warned_not_finite = True
+            warnings.warn(
+                f"Training metrics are not finite at step {self.global_step}: {bad}. The "
+                "state is probably NaN from here on; add dt.callbacks.TerminateOnNaN() to stop "
+                "fit at the first non-finite metric (checkpoints then keep the last good step).",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def _epoch_logs(self) -> dict[str, float]:
         self._flush_window()
