@@ -174,7 +174,7 @@ def test_inconsistent_batch_shapes(mirrored):
 def test_reduce_unknown_op_and_sum_of_non_distributed(mirrored):
     with pytest.raises(ValueError, match="Unknown reduce op.*'max'"):
         mirrored.reduce("max", jnp.ones(()))
-    with pytest.raises(ValueError, match="Only results of `strategy.run` can be reduced with SUM over 8"):
+    with pytest.raises(ValueError, match="Only results of `strategy.run` can be reduced with SUM"):
         mirrored.reduce("sum", jnp.ones(()))
     assert float(mirrored.reduce("mean", jnp.ones(()))) == 1.0
 

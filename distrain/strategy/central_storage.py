@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
 
 import jax
 
-from distrain.strategy.base import Strategy, check_placeable
+from distrain.strategy.base import Strategy
 from distrain.strategy.devices import DeviceSpec, parse_device, parse_devices
-from distrain.values import PerReplica
 
 
 class CentralStorageStrategy(Strategy):
@@ -39,21 +37,9 @@ class CentralStorageStrategy(Strategy):
         else:
             self.parameter_device = parse_device(parameter_device, jax.devices() + _cpus())
 
-    def put_replicated(self, tree: Any) -> Any:
-        return jax.device_put(check_placeable(tree), self.parameter_device)
-
     @property
-    def _state_sharding(self) -> jax.sharding.Sharding:
+    def state_sharding(self) -> jax.sharding.Sharding:
         return jax.sharding.SingleDeviceSharding(self.parameter_device)
-
-    def _to_compute(self, x: jax.Array) -> jax.Array:
-        return jax.device_put(x, self._replicated)
-
-    def _from_compute(self, tree: Any) -> Any:
-        def home(x: Any) -> Any:
-            return x if isinstance(x, PerReplica) else jax.device_put(x, self.parameter_device)
-
-        return jax.tree.map(home, tree, is_leaf=lambda x: isinstance(x, PerReplica))
 
 
 def _cpus() -> list[jax.Device]:

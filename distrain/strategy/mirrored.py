@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import jax
+
 from distrain.cross_device_ops import CrossDeviceOps
 from distrain.strategy.base import Strategy
 from distrain.strategy.devices import DeviceSpec, parse_devices
@@ -29,3 +31,7 @@ class MirroredStrategy(Strategy):
         cross_device_ops: CrossDeviceOps | None = None,
     ) -> None:
         super().__init__(parse_devices(devices), cross_device_ops)
+
+    @property
+    def state_sharding(self) -> jax.sharding.Sharding:
+        return self._replicated  # a full copy on every replica

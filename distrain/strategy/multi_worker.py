@@ -88,6 +88,10 @@ class MultiWorkerMirroredStrategy(Strategy):
         super().__init__(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
 
     @property
+    def state_sharding(self) -> jax.sharding.Sharding:
+        return self._replicated  # a full copy on every replica
+
+    @property
     def cluster_resolver(self) -> ClusterResolver:
         """The resolver this strategy joined the cluster with."""
         return self._cluster_resolver

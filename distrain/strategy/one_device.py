@@ -21,12 +21,20 @@ class OneDeviceStrategy(Strategy):
     def __init__(self, device: DeviceSpec) -> None:
         super().__init__([parse_device(device)])
 
+    @property
+    def state_sharding(self) -> jax.sharding.Sharding:
+        return self._replicated
 
-class _DefaultStrategy(OneDeviceStrategy):
+
+class _DefaultStrategy(Strategy):
     """The strategy in force outside any ``scope()``: one replica on the first device."""
 
     def __init__(self) -> None:
-        super().__init__(jax.devices()[0])
+        super().__init__([jax.devices()[0]])
+
+    @property
+    def state_sharding(self) -> jax.sharding.Sharding:
+        return self._replicated
 
     def scope(self) -> AbstractContextManager[Strategy]:
         # Entering the default scope changes nothing: it is already current.

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from distrain import context
-from distrain.strategy.base import check_no_leaks
+from distrain.strategy._checks import check_no_leaks
 from distrain.train import metrics as metrics_lib
 from distrain.values import PerReplica
 
