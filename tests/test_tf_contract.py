@@ -276,3 +276,11 @@ def test_apply_gradients_names_a_gradient_structure_mismatch(mirrored):
     state = dt.TrainState.create(params={"w": jnp.ones(2), "b": jnp.ones(())}, tx=optax.sgd(1))
     with pytest.raises(ValueError, match="(?s)structure of `params`.*grads:.*params:"):
         state.apply_gradients(grads={"w": jnp.ones(2)})
+
+
+def test_the_trainer_says_what_to_use_with_parameter_servers():
+    from tests.linear_problem import train_step
+
+    strategy = dt.experimental.ParameterServerStrategy(num_workers=1)
+    with pytest.raises(TypeError, match="ClusterCoordinator\\(strategy\\).*schedule"):
+        dt.Trainer(strategy, train_step)

@@ -30,6 +30,7 @@ import jax
 import numpy as np
 
 from distrain.context import get_strategy
+from distrain.strategy.base import Strategy
 from distrain.train import _functions as F
 from distrain.train import _inference
 from distrain.train.callbacks.base import Callback, CallbackList, StepInfo
@@ -55,6 +56,26 @@ def _positive_int(name: str, value: Any) -> int:
 
 def _optional_positive_int(name: str, value: Any) -> int | None:
     return None if value is None else _positive_int(name, value)
+
+
+def _check_strategy(strategy: Any) -> None:
+    if isinstance(strategy, Strategy):
+        return
+    from distrain.ps.strategy import ParameterServerStrategy
+
+    if isinstance(strategy, ParameterServerStrategy):
+        raise TypeError(
+            "The Trainer runs synchronous strategies; ParameterServerStrategy trains "
+            "asynchronously through a coordinator: "
+            "`coordinator = dt.experimental.coordinator.ClusterCoordinator(strategy)`, then "
+            "`coordinator.schedule(step, args=(...))` and `coordinator.join()` "
+            "(docs/parameter_server.md). For the Trainer use dt.MirroredStrategy() or "
+            "dt.MultiWorkerMirroredStrategy()."
+        )
+    raise TypeError(
+        "`strategy` must be a distrain strategy (a dt.Strategy such as dt.MirroredStrategy()). "
+        f"Received: {strategy!r}."
+    )
 
 
 class Trainer:
@@ -104,13 +125,8 @@ class Trainer:
         mask_key: str | None = "mask",
         donate_state: bool = True,
     ) -> None:
-        self.strategy = strategy if strategy is not None else get_strategy()
-        for name in ("run", "experimental_distribute_dataset", "put_replicated"):
-            if not hasattr(self.strategy, name):
-                raise TypeError(
-                    "`strategy` must be a distrain strategy (e.g. dt.MirroredStrategy()). "
-                    f"Received: {strategy!r}."
-                )
+        self.strategy: Strategy = strategy if strategy is not None else get_strategy()
+        _check_strategy(self.strategy)
         for name, fn in (
             ("train_step", train_step),
             ("eval_step", eval_step),
@@ -127,8 +143,7 @@ class Trainer:
         self.log_every = _positive_int("log_every", log_every)
         self.mask_key = mask_key
         self._donate = (0,) if donate_state else ()
-        chief = getattr(self.strategy, "is_chief", None)
-        self.is_chief = bool(chief) if chief is not None else jax.process_index() == 0
+        self.is_chief = self.strategy.is_chief
 
         self._eval_fn = F.make_eval_fn(eval_step) if eval_step is not None else None
         self._predict_fn = (
@@ -412,10 +427,11 @@ class Trainer:
         logs = None
         if self.global_step // self.log_every > before // self.log_every:
             logs = self._flush_window()
-        cbs.call(
-            "on_train_batch_end",
-            StepInfo(self.global_step, self.epoch, self.step_in_epoch, n, logs, self.state),
-        )
+        if cbs.listens("on_train_batch_end"):
+            cbs.call(
+                "on_train_batch_end",
+                StepInfo(self.global_step, self.epoch, self.step_in_epoch, n, logs, self.state),
+            )
 
     # ---------------------------------------------------------- metric sums
     def _flush_window(self) -> dict[str, float] | None:

@@ -107,13 +107,23 @@ class CallbackList:
         self.callbacks = callbacks
         for cb in callbacks:
             cb.set_trainer(trainer)
+        # Only the callbacks that override a hook are called for it: the training loop
+        # calls on_train_batch_end after every dispatch, and builds its StepInfo only
+        # when someone listens.
+        self._by_hook = {
+            h: [getattr(cb, h) for cb in callbacks if _overrides(cb, h)] for h in _HOOKS
+        }
+
+    def listens(self, hook: str) -> bool:
+        """Whether any callback overrides ``hook``."""
+        return bool(self._by_hook[hook])
 
     def __iter__(self):
         return iter(self.callbacks)
 
     def call(self, hook: str, *args: Any) -> None:
-        for cb in self.callbacks:
-            getattr(cb, hook)(*args)
+        for method in self._by_hook[hook]:
+            method(*args)
 
     def abort(self, error: BaseException) -> None:
         """Calls ``on_train_abort`` on all callbacks even if one of them raises."""
@@ -139,6 +149,11 @@ _HOOKS = (
     "on_predict_begin",
     "on_predict_end",
 )
+
+
+def _overrides(cb: Callback, hook: str) -> bool:
+    """Whether ``cb`` defines ``hook`` (in its class or, for LambdaCallback, itself)."""
+    return hook in vars(cb) or getattr(type(cb), hook) is not getattr(Callback, hook)
 
 
 class LambdaCallback(Callback):
