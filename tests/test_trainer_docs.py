@@ -39,6 +39,8 @@ def test_train_step_doc_runs(devices, capsys):
     assert ns["probs"].shape == (359, 10)
 
 
-@pytest.mark.parametrize("name", ["custom_training_loops.md", "migrating_from_tf.md"])
+@pytest.mark.parametrize(
+    "name", ["custom_training_loops.md", "migrating_from_tf.md", "strategies.md"]
+)
 def test_other_docs_python_runs(name, devices):
     run_blocks(name)
