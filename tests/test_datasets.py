@@ -232,3 +232,22 @@ def test_load_mnist_bad_arguments(tmp_path):
 def test_published_checksums_are_pinned():
     assert set(datasets.MNIST_SHA256) == {n for pair in MNIST_FILES.values() for n in pair}
     assert all(len(v) == 64 and int(v, 16) >= 0 for v in datasets.MNIST_SHA256.values())
+
+
+def test_docs_state_the_true_digits_split():
+    """The 1,438 / 359 split the code makes is what the owned docs and configs state."""
+    import pathlib
+    import re
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    n_train, n_test = len(load_digits("train")["label"]), len(load_digits("test")["label"])
+    assert (n_train, n_test) == (1438, 359)
+    files = ["docs/getting_started.md", "configs/quickstart.yaml", "distrain/data/datasets.py"]
+    for name in files:
+        text = (root / name).read_text()
+        for wrong in re.findall(r"\b1,?437\b|\b360 test\b", text):
+            raise AssertionError(f"{name} states {wrong!r}; load_digits gives {n_train}/{n_test}")
+    guide = (root / "docs/getting_started.md").read_text()
+    assert f"{n_train:,} training" in guide and f"{n_test} test" in guide
+    quick = (root / "configs/quickstart.yaml").read_text()
+    assert f"{n_train} train / {n_test} test" in quick
