@@ -559,3 +559,26 @@ def test_shutdown_cancels_queued_steps(make, digits):
     assert any(isinstance(e, FunctionCancelledError) for e in errors)
     assert all(e is None or isinstance(e, FunctionCancelledError) for e in errors)
     ClusterCoordinator(strategy)  # the strategy accepts a new coordinator
+
+
+def test_a_shut_down_coordinator_refuses_new_steps_and_has_nothing_to_wait_for(make, digits):
+    strategy, _, step, coordinator = build(make, num_workers=1)
+    batch = fixed_batches(digits[0], 1, B)[0]
+    coordinator.schedule(step, args=(batch,)).fetch(timeout=60)
+    coordinator.shutdown()
+    # Before the fix this returned a RemoteValue no worker would ever run: fetch() hung.
+    with pytest.raises(RuntimeError, match="was shut down.*new ClusterCoordinator"):
+        coordinator.schedule(step, args=(batch,))
+    started = time.monotonic()
+    coordinator.join()  # nothing is pending: every value was resolved by shutdown()
+    assert coordinator.done()
+    assert time.monotonic() - started < 5
+    coordinator.shutdown()  # a second shutdown is a no-op
+    # A coordinator shut down before it ever ran a step refuses too (it must not start workers).
+    fresh = ClusterCoordinator(strategy)
+    fresh.shutdown()
+    with pytest.raises(RuntimeError, match="was shut down"):
+        fresh.schedule(step, args=(batch,))
+    with pytest.raises(RuntimeError, match="was shut down"):
+        fresh.create_per_worker_dataset(lambda: [batch])
+    ClusterCoordinator(strategy)  # the strategy still accepts a new one

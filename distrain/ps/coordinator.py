@@ -9,6 +9,10 @@ TensorFlow's semantics (``tf.distribute.experimental.coordinator``):
   pushed gradient is applied; ``done()`` says whether that is the case.
 * The first error raised by a scheduled function cancels the functions still
   queued and is re-raised by the next ``schedule``/``join``/``done`` (once).
+* ``shutdown()`` resolves every `RemoteValue` (queued ones fail with
+  `FunctionCancelledError`); afterwards ``schedule`` and
+  ``create_per_worker_dataset`` raise `RuntimeError`, ``join`` returns at once
+  and ``done`` is true (nothing can be pending).
 * A worker that dies takes no function with it: the function it was running
   is rescheduled on another worker (with the same step number, so servers
   that already got its gradient ignore the second one). A parameter server
@@ -191,6 +195,7 @@ class ClusterCoordinator:
         self._alive: set[int] = set()
         self._counts = {"scheduled": 0, "completed": 0, "retried": 0, "failed": 0, "cancelled": 0}
         self._group: Any = None
+        self._closed = False
 
     @property
     def strategy(self) -> Any:
@@ -220,7 +225,10 @@ class ClusterCoordinator:
         """Makes ``dataset_fn()`` (or ``dataset_fn(dt.InputContext)``) on every worker.
 
         ``iter()`` the result for a per-worker iterator to pass to ``schedule``.
+        Raises:
+            RuntimeError: the coordinator was shut down.
         """
+        self._check_open("create_per_worker_dataset")
         dataset = PerWorkerDataset(self, dataset_fn)
         self._dataset_fns[dataset.dataset_id] = dataset_fn
         return dataset
@@ -242,8 +250,10 @@ class ClusterCoordinator:
         Raises:
             TypeError: ``fn`` is not a worker step, or ``args`` is not a tuple.
             ValueError: ``fn`` or an iterator belongs to another strategy/coordinator.
+            RuntimeError: the coordinator was shut down.
             Exception: the first error of an earlier function, if not yet raised.
         """
+        self._check_open("schedule")
         self._raise_pending()
         if not isinstance(fn, WorkerStep):
             raise TypeError(
@@ -263,14 +273,26 @@ class ClusterCoordinator:
                 f"{type(args).__name__}; write args=(x,)."
             )
         args, kwargs = jax.tree.map(self._to_ref, (tuple(args), dict(kwargs or {})))
-        self._ensure_started()
         with self._lock:
+            # Under the lock shutdown() takes to close: either this step is queued before
+            # shutdown() drains the queue (and is cancelled by it), or it is refused here.
+            self._check_open("schedule")
+            self._ensure_started()
             seq = self._next_seq
             self._next_seq += 1
             self._counts["scheduled"] += 1
-        closure = _Closure(seq, fn, args, kwargs)
-        self._queue.put(closure)
+            closure = _Closure(seq, fn, args, kwargs)
+            self._queue.put(closure)
         return closure.value
+
+    def _check_open(self, what: str) -> None:
+        if self._closed:
+            raise RuntimeError(
+                f"ClusterCoordinator.{what} was called after the coordinator was shut down: its "
+                "workers are stopped and nothing would run the function. Create a new "
+                "ClusterCoordinator(strategy) (the strategy accepts one once this one is shut "
+                "down)."
+            )
 
     def _to_ref(self, leaf: Any) -> Any:
         if isinstance(leaf, PerWorkerDataset):
@@ -298,6 +320,9 @@ class ClusterCoordinator:
             ParameterServerUnavailableError: a parameter server is gone.
             WorkerUnavailableError: every worker has failed.
         """
+        if self._closed:  # shutdown() resolved every value; the workers are gone
+            self._raise_pending()
+            return
         if self._group is not None:
             self._queue.wait_idle(lambda: self._fatal is not None)
         self._raise_pending()
@@ -463,7 +488,12 @@ class ClusterCoordinator:
         self._workers[worker].arm(at)
 
     def shutdown(self) -> None:
-        """Stops the workers (after their current function); cancels queued functions."""
+        """Stops the workers (after their current function); cancels queued functions.
+
+        Idempotent. Afterwards the coordinator accepts no new function.
+        """
+        with self._lock:
+            self._closed = True
         self._queue.stop()
         # Ray workers are killed first, so a driver waiting on one returns at once.
         self._strategy._backend.close_workers(self._workers)
