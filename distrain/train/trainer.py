@@ -22,6 +22,7 @@ epoch ends, and when a callback reads values (e.g. a checkpoint save).
 from __future__ import annotations
 
 import math
+import time
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -46,6 +47,30 @@ from distrain.train.progress import (
 )
 
 __all__ = ["DataEndedError", "Trainer"]
+
+
+# steps_per_execution="auto": one dispatch should keep the devices busy this long, so
+# that per-dispatch host time (tens of microseconds) is under 1% of it.
+_TARGET_DISPATCH_SECONDS = 0.004
+_CALIBRATION_STEPS = 4
+_MAX_AUTO_STEPS = 64
+
+
+def auto_steps_per_execution(seconds_per_step: float, cap: int) -> int:
+    """The power of two of steps that makes one dispatch last ``_TARGET_DISPATCH_SECONDS``.
+
+    Powers of two keep the number of compiled programs small; the result is at most
+    ``cap`` (and ``_MAX_AUTO_STEPS``) and at least 1.
+
+    Example:
+      >>> auto_steps_per_execution(0.0001, cap=100)   # 0.1 ms steps: 40 wanted
+      64
+    """
+    want = max(1, math.ceil(_TARGET_DISPATCH_SECONDS / max(seconds_per_step, 1e-9)))
+    k = 1 << (want - 1).bit_length()
+    while k > min(cap, _MAX_AUTO_STEPS):
+        k //= 2
+    return max(1, k)
 
 
 def _positive_int(name: str, value: Any) -> int:
@@ -92,6 +117,9 @@ class Trainer:
       callbacks: ``dt.callbacks.Callback`` objects used by every ``fit``.
       steps_per_execution: steps fused into one compiled dispatch (``k`` batches
         per ``strategy.run``); larger values cut per-step host overhead for small models.
+        ``"auto"`` times the first steps of each ``fit`` and picks the power of two
+        that makes one dispatch take at least ~4 ms, at most ``log_every`` and any
+        callback's ``step_interval`` (the choice is ``trainer.steps_per_execution``).
       log_every: steps between host syncs that read the metrics (progress bar,
         TensorBoard, ``TerminateOnNaN``); epochs always end with one.
       mask_key: batch key of the padding mask (``predict`` drops padded rows with it).
@@ -120,7 +148,7 @@ class Trainer:
         predict_step: Callable[..., Any] | None = None,
         *,
         callbacks: Sequence[Callback] = (),
-        steps_per_execution: int = 1,
+        steps_per_execution: int | str = 1,
         log_every: int = 100,
         mask_key: str | None = "mask",
         donate_state: bool = True,
@@ -139,7 +167,15 @@ class Trainer:
         self.predict_step = predict_step
         self.callbacks = list(callbacks)
         CallbackList(self.callbacks, self)  # type-checks them now, not at fit time
-        self.steps_per_execution = _positive_int("steps_per_execution", steps_per_execution)
+        self._auto_k = steps_per_execution == "auto"
+        if isinstance(steps_per_execution, str) and not self._auto_k:
+            raise ValueError(
+                "`steps_per_execution` must be a positive int or 'auto'. Received: "
+                f"{steps_per_execution!r}."
+            )
+        self.steps_per_execution = (
+            1 if self._auto_k else _positive_int("steps_per_execution", steps_per_execution)
+        )
         self.log_every = _positive_int("log_every", log_every)
         self.mask_key = mask_key
         self._donate = (0,) if donate_state else ()
@@ -175,6 +211,7 @@ class Trainer:
         self._epoch_sums: dict[str, Metric] | None = None
         self._passes: PassIterator | None = None
         self._cbs: CallbackList | None = None
+        self._calibration: float | None = None
         self._warned_not_finite = False
 
     def progress(self) -> dict[str, Any]:
@@ -292,6 +329,8 @@ class Trainer:
         self.epoch = self.initial_epoch = int(initial_epoch)
         self.global_step = self.initial_step = initial_epoch * (self.steps_per_epoch or 0)
         self.has_validation = validation_data is not None
+        if self._auto_k:
+            self.steps_per_execution, self._calibration = 1, 0.0
         self.state = self.strategy.put_replicated(state)
         if self._donate:
             self.state = self.state_snapshot()  # donation must not delete the caller's arrays
@@ -348,10 +387,9 @@ class Trainer:
         if self.steps_per_epoch is None:
             self._passes.begin_epoch()
         self._epoch_sums, self._resumed_sums = self._resumed_sums, None
-        k = self.steps_per_execution
         ran_any = self.step_in_epoch > 0
         while not self.stop_training:
-            want = min(k, self._steps_left_in_epoch())
+            want = min(self.steps_per_execution, self._steps_left_in_epoch())
             if want <= 0:
                 break
             batches = self._passes.take(int(want), new_pass_ok=self.steps_per_epoch is not None)
@@ -362,7 +400,28 @@ class Trainer:
             ran_any = True
             self._dispatch(batches)
             self._after_dispatch(cbs, len(batches))
+            if self._calibration is not None:
+                self._calibrate(cbs)
         return self._epoch_logs()
+
+    def _calibrate(self, cbs: CallbackList) -> None:
+        """``steps_per_execution="auto"``: time single steps, then fuse enough of them.
+
+        The first dispatch compiles; the clock covers the next ``_CALIBRATION_STEPS``
+        (two host syncs in all, once per fit).
+        """
+        done = self.global_step - self.initial_step
+        if done == 1:
+            jax.block_until_ready(self.state)
+            self._calibration = time.perf_counter()
+        elif done == 1 + _CALIBRATION_STEPS:
+            jax.block_until_ready(self.state)
+            per_step = (time.perf_counter() - self._calibration) / _CALIBRATION_STEPS
+            caps = [self.log_every, *(cb.step_interval for cb in cbs)]
+            self.steps_per_execution = auto_steps_per_execution(
+                per_step, min(c for c in caps if c is not None)
+            )
+            self._calibration = None
 
     def _data_ended_message(self) -> str:
         if self.steps is not None:

@@ -59,6 +59,12 @@ class Callback:
 
     trainer: Trainer | None = None
 
+    @property
+    def step_interval(self) -> int | None:
+        """Steps between this callback's actions when it acts on step counts (e.g. a save
+        every N steps), else None. ``steps_per_execution="auto"`` fuses no more."""
+        return None
+
     def set_trainer(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
