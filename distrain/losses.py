@@ -1,9 +1,18 @@
-"""Loss helpers with ``tf.distribute`` semantics, plus exact means on padded batches."""
+"""Loss helpers with ``tf.distribute`` semantics, plus exact means on padded batches.
+
+Shapes and dtypes are checked up front (they are static, so the checks cost nothing
+under ``jit``): a weight or mask of shape ``[batch, 1]`` means one value per example
+(as in Keras), never a ``[batch, batch]`` broadcast, and the result is computed in a
+float dtype whatever the dtype of the losses (ints and bools are averaged as float32).
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.typing import ArrayLike
 
 from distrain import context
@@ -18,6 +27,50 @@ def _replica_context(name: str) -> context.ReplicaContext:
             "strategy scope)."
         )
     return ctx
+
+
+def _numeric(value: Any, name: str) -> jax.Array:
+    """``value`` as an array of a real numeric or bool dtype (else TypeError)."""
+    arr = jnp.asarray(value)
+    if not (
+        jnp.issubdtype(arr.dtype, jnp.floating)
+        or jnp.issubdtype(arr.dtype, jnp.integer)
+        or arr.dtype == jnp.bool_
+    ):
+        raise TypeError(
+            f"`{name}` must hold real numeric (float, int or bool) values. Received dtype "
+            f"{arr.dtype}. Pass real-valued losses (e.g. jnp.abs or jnp.real of them)."
+        )
+    return arr
+
+
+def _float_dtype(dtype: Any) -> Any:
+    """The dtype to compute in: the loss's own float dtype, else the default float."""
+    return dtype if jnp.issubdtype(dtype, jnp.floating) else jnp.result_type(float)
+
+
+def _align(value: jax.Array, loss_shape: tuple[int, ...], name: str) -> jax.Array:
+    """Aligns a weight or mask with the losses from the left, Keras style.
+
+    A scalar applies to every element; ``[batch]`` to every element of its example;
+    ``[batch, 1]`` against ``[batch]`` losses is one value per example (squeezed, as
+    Keras does), not a ``[batch, batch]`` broadcast.
+    """
+    shape = tuple(value.shape)
+    if value.ndim == len(loss_shape) + 1 and shape[-1] == 1:
+        value = value.reshape(shape[:-1])
+    if value.ndim <= len(loss_shape):
+        value = value.reshape(value.shape + (1,) * (len(loss_shape) - value.ndim))
+        try:
+            if jnp.broadcast_shapes(value.shape, loss_shape) == loss_shape:
+                return value
+        except ValueError:
+            pass
+    raise ValueError(
+        f"`{name}` of shape {shape} does not match `per_example_loss` of shape {loss_shape}. "
+        f"Expected a scalar, shape {loss_shape[:1]} (one value per example), "
+        f"{loss_shape[:1] + (1,)} or a shape that broadcasts to {loss_shape} from the left."
+    )
 
 
 def compute_average_loss(
@@ -41,48 +94,70 @@ def compute_average_loss(
       >>> loss = dt.compute_average_loss(per_example, mask=batch["mask"])
 
     Args:
-      per_example_loss: losses of shape ``[batch, ...]`` (not a scalar).
-      sample_weight: optional weights broadcastable to ``per_example_loss``.
+      per_example_loss: losses of shape ``[batch, ...]`` (not a scalar); float, int or
+        bool. Int and bool losses are averaged in float32; float losses in their dtype.
+      sample_weight: optional weights: a scalar, ``[batch]``, ``[batch, 1]`` (one per
+        example) or any shape that broadcasts to the losses' shape from the left.
       global_batch_size: the divisor; a positive int.
-      mask: optional ``[batch]`` 0/1 weights marking real examples.
+      mask: optional 0/1 weights marking real examples, shaped like ``sample_weight``
+        (usually ``[batch]``); its sum over all replicas is the divisor when
+        ``global_batch_size`` is ``None``.
 
     Raises:
-      ValueError: for a scalar loss or a non-positive ``global_batch_size``.
+      ValueError: a scalar loss, a weight or mask whose shape does not match the
+        losses, or a ``global_batch_size`` that is not a positive int.
+      TypeError: complex (or other non-real) losses, weights or mask.
     """
     ctx = _replica_context("compute_average_loss")
-    loss = jnp.asarray(per_example_loss)
+    loss = _numeric(per_example_loss, "per_example_loss")
     if loss.ndim == 0:
         raise ValueError(
             "`compute_average_loss` expects per-example losses of shape [batch, ...]. "
             "Received a scalar (shape ()). Compute the loss per example (no reduction) "
             "and pass that."
         )
-    if global_batch_size is not None and (
-        not isinstance(global_batch_size, int) or global_batch_size <= 0
-    ):
-        raise ValueError(
-            f"`global_batch_size` must be a positive int. Received: {global_batch_size!r}."
-        )
+    if global_batch_size is not None:
+        # bool is an int subclass: True would silently mean a batch of 1.
+        if isinstance(global_batch_size, bool | np.bool_) or not isinstance(
+            global_batch_size, int | np.integer
+        ) or global_batch_size <= 0:
+            raise ValueError(
+                "`global_batch_size` must be a positive int (the number of examples in the "
+                f"global batch). Received: {global_batch_size!r} "
+                f"({type(global_batch_size).__name__})."
+            )
+        global_batch_size = int(global_batch_size)
+    dtype = _float_dtype(loss.dtype)
+    loss = loss.astype(dtype)
     if sample_weight is not None:
-        loss = loss * jnp.asarray(sample_weight, loss.dtype)
+        w = _numeric(sample_weight, "sample_weight")
+        loss = loss * _align(w, loss.shape, "sample_weight").astype(dtype)
     if mask is not None:
-        m = jnp.asarray(mask, loss.dtype)
-        loss = loss * m.reshape(m.shape + (1,) * (loss.ndim - m.ndim))
+        m = _align(_numeric(mask, "mask"), loss.shape, "mask").astype(dtype)
+        loss = loss * m
         if global_batch_size is None:
+            # Count real examples: a [batch]-shaped mask counts each example once even
+            # when the losses are [batch, T].
             count = ctx.all_reduce("sum", jnp.sum(m))
             return jnp.sum(loss) / jnp.maximum(count, 1)
     if global_batch_size is None:
         global_batch_size = loss.shape[0] * ctx.num_replicas_in_sync
-    return jnp.sum(loss) / jnp.asarray(global_batch_size, loss.dtype)
+    return jnp.sum(loss) / jnp.asarray(global_batch_size, dtype)
 
 
-def scale_regularization_loss(regularization_loss: ArrayLike) -> jax.Array:
-    """Divides a regularization loss by the number of replicas, so that summing over
-    replicas (as gradient all-reduce does) counts it once.
+def scale_regularization_loss(regularization_loss: ArrayLike | list[ArrayLike]) -> jax.Array:
+    """Sums a regularization loss (or a list of them, e.g. one per layer) and divides by
+    the number of replicas, so that summing over replicas (as gradient all-reduce does)
+    counts it once. As in TensorFlow, the result is ``sum(loss) / num_replicas``; int and
+    bool losses are computed in float32.
+
+    Raises:
+      TypeError: complex (or other non-real) values.
 
     Example:
       >>> loss = dt.compute_average_loss(per_example) + dt.scale_regularization_loss(l2)
     """
     ctx = _replica_context("scale_regularization_loss")
-    loss = jnp.asarray(regularization_loss)
-    return loss / jnp.asarray(ctx.num_replicas_in_sync, loss.dtype)
+    loss = _numeric(regularization_loss, "regularization_loss")
+    dtype = _float_dtype(loss.dtype)
+    return jnp.sum(loss.astype(dtype)) / jnp.asarray(ctx.num_replicas_in_sync, dtype)
