@@ -216,3 +216,28 @@ def test_killed_worker_is_restarted_and_resumes_from_its_checkpoint(tmp_path, de
         np.testing.assert_allclose(got["losses"], ref["losses"][2:], rtol=1e-6)
         for name in ("w1", "b1", "w2", "b2"):
             np.testing.assert_allclose(got[name], ref[name], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "program, status, match",
+    [
+        ("no-such-program-distrain", 127, r"cannot start 'no-such-program-distrain': not found"),
+        ("./not-executable.sh", 126, r"cannot start '\./not-executable\.sh': not executable"),
+        ("./garbage.bin", 126, r"cannot start '\./garbage\.bin': Exec format error"),
+    ],
+)
+def test_a_command_that_cannot_start_is_one_error_and_no_restart(
+    capfd, tmp_path, monkeypatch, program, status, match
+):
+    (tmp_path / "not-executable.sh").write_text("echo hi\n")
+    (tmp_path / "garbage.bin").write_bytes(b"\x00\x01 not a program")
+    (tmp_path / "garbage.bin").chmod(0o755)  # passes the check; exec() itself fails
+    monkeypatch.chdir(tmp_path)
+    argv = ["--nproc", "2", "--max-restarts", "3", "--", program, "--flag"]
+    assert launch.main(argv) == status
+    err = capfd.readouterr().err
+    errors = [line for line in err.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and re.search(match, errors[0]), err
+    # One error, no restart loop, no traceback; usually caught before anything starts.
+    assert "Traceback" not in err and "restarting" not in err
+    assert err.count("starting 2 processes") <= 1

@@ -14,7 +14,9 @@ the others (SIGTERM to each process group, SIGKILL after `--grace-period`) and
 starts all N again on a fresh port, up to `--max-restarts` times; the program
 resumes from its latest checkpoint. DISTRAIN_RESTART_COUNT tells it which attempt
 it is. The launcher's exit status is the last attempt's: 0, the failing
-process's status, or 128+signal for a process killed by a signal.
+process's status, or 128+signal for a process killed by a signal. A program
+that cannot be started is one error line and no restart: status 127 (not
+found) or 126 (not executable), as in a shell.
 
 On several machines run the program directly on each machine with the variables
 set by hand (or TF_CONFIG, or under Slurm): see docs/multi_worker.md.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -210,6 +213,33 @@ def _stop(procs: list[subprocess.Popen], grace: float) -> None:
         p.wait()
 
 
+class _CannotStart(Exception):
+    """The program cannot be started at all: restarting it cannot help."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def _check_program(program: str) -> None:
+    """Raises `_CannotStart` (exit status 127/126, as a shell) unless `program` can be run."""
+    if shutil.which(program) is not None:
+        return
+    has_dir = os.sep in program or (os.altsep is not None and os.altsep in program)
+    if has_dir and os.path.isfile(program):
+        raise _CannotStart(
+            f"cannot start {program!r}: not executable. Expected an executable file; run it "
+            f"through its interpreter (e.g. `-- python {program}`) or `chmod +x` it.",
+            126,
+        )
+    where = "" if has_dir else " on PATH"
+    raise _CannotStart(
+        f"cannot start {program!r}: not found{where}. Expected the program to run after '--', "
+        "e.g. `distrain launch --nproc 2 -- python train.py`; check its spelling and PATH.",
+        127,
+    )
+
+
 class _Launcher:
     def __init__(self, args: argparse.Namespace, command: list[str]):
         self.args = args
@@ -233,14 +263,21 @@ class _Launcher:
         pumps: list[threading.Thread] = []
         try:
             for i in range(self.args.nproc):
-                proc = subprocess.Popen(
-                    self.command,
-                    env=_child_env(self.args, i, port, attempt),
-                    stdin=subprocess.DEVNULL,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.STDOUT,
-                    start_new_session=True,  # its own process group, stopped as a unit
-                )
+                try:
+                    proc = subprocess.Popen(
+                        self.command,
+                        env=_child_env(self.args, i, port, attempt),
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,  # its own process group, stopped as a unit
+                    )
+                except OSError as e:  # e.g. an exec format error the check could not see
+                    raise _CannotStart(
+                        f"cannot start {self.command[0]!r}: {e.strerror or e}. Expected a "
+                        "program that runs on this machine.",
+                        127 if isinstance(e, FileNotFoundError) else 126,
+                    ) from None
                 procs.append(proc)
                 pump = threading.Thread(
                     target=_pump,
@@ -297,6 +334,11 @@ def run(args: argparse.Namespace) -> int:
             "`distrain launch --nproc 2 -- python train.py`. Received no command.\n"
         )
         return 2
+    try:
+        _check_program(command[0])
+    except _CannotStart as e:
+        sys.stderr.write(f"distrain launch: error: {e}\n")
+        return e.status
     launcher = _Launcher(args, command)
     previous = None
     if threading.current_thread() is threading.main_thread():
@@ -307,6 +349,9 @@ def run(args: argparse.Namespace) -> int:
         previous = signal.signal(signal.SIGTERM, on_term)
     try:
         return launcher.run()
+    except _CannotStart as e:  # the processes already started were stopped by attempt()
+        sys.stderr.write(f"distrain launch: error: {e}\n")
+        return e.status
     except (KeyboardInterrupt, _Terminated):
         # The processes were stopped by attempt()'s finally; report like a shell would.
         launcher.log("interrupted; all processes stopped")
