@@ -6,8 +6,9 @@ strategy, the model, data and step functions (named by import path
 ``distrain.train.zoo``), the optimizer, the loop, logging and checkpoints.
 
 Loading is strict: an unknown key is an error that suggests the closest valid key, a
-value of the wrong type names the field and the value, and a file that is missing or
-not YAML says so. ``key=value`` overrides (``train.epochs=3``) are parsed as YAML
+value of the wrong type or out of range (a learning rate <= 0, a batch size < 1) names
+the field and the value, a key repeated in one mapping names both lines, and a file
+that is missing or not YAML says so. ``key=value`` overrides (``train.epochs=3``) are parsed as YAML
 values and checked the same way.
 
 Example:
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import os
 import types
 import typing
@@ -106,6 +108,18 @@ class DataConfig:
     shuffle: bool = True
     validation_split: str | None = "test"
 
+    def __post_init__(self) -> None:
+        if self.global_batch_size < 1:
+            raise ConfigError(
+                f"data.global_batch_size must be >= 1 (rows per step over all replicas). "
+                f"Received: {self.global_batch_size}."
+            )
+        if self.eval_batch_size is not None and self.eval_batch_size < 1:
+            raise ConfigError(
+                f"data.eval_batch_size must be >= 1 or null (null: data.global_batch_size). "
+                f"Received: {self.eval_batch_size}."
+            )
+
 
 @dataclasses.dataclass
 class OptimizerConfig:
@@ -120,6 +134,14 @@ class OptimizerConfig:
     name: str = "adam"
     learning_rate: float = 1e-3
     kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        # A negative rate ascends the loss, zero trains nothing: both exit "successfully".
+        if not math.isfinite(self.learning_rate) or self.learning_rate <= 0:
+            raise ConfigError(
+                "optimizer.learning_rate must be a positive finite number, e.g. 0.001. "
+                f"Received: {self.learning_rate!r}."
+            )
 
 
 @dataclasses.dataclass
@@ -199,6 +221,10 @@ class CheckpointConfig:
     backup_freq: int | str = "epoch"
 
     def __post_init__(self) -> None:
+        if self.max_to_keep < 1:
+            raise ConfigError(
+                f"checkpoint.max_to_keep must be >= 1. Received: {self.max_to_keep}."
+            )
         for name in ("save_freq", "backup_freq"):
             v = getattr(self, name)
             if isinstance(v, str) and v != "epoch" or isinstance(v, int) and v < 1:
@@ -226,6 +252,11 @@ class RunConfig:
     train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
     logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+
+    def __post_init__(self) -> None:
+        if self.seed < 0:
+            raise ConfigError(f"seed must be >= 0 (NumPy seeds are non-negative). Received: "
+                              f"{self.seed}.")
 
 
 # ---------------------------------------------------------------------------- checking
@@ -408,6 +439,33 @@ def _set_path(data: dict[str, Any], parts: list[str], value: Any, full: str) -> 
         node = child
 
 
+class _DuplicateKeyError(yaml.YAMLError):
+    """A mapping that repeats a key (PyYAML silently keeps the last value)."""
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a key repeated in one mapping."""
+
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+        seen: dict[Any, int] = {}
+        for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":
+                continue  # `<<: *anchor` merges; keys written next to it override by design
+            key = self.construct_object(key_node, deep=True)
+            line = key_node.start_mark.line + 1
+            try:
+                first = seen.get(key)
+            except TypeError:  # an unhashable key: let PyYAML report it
+                continue
+            if first is not None:
+                raise _DuplicateKeyError(
+                    f"duplicate key {key!r} at line {line} (first at line {first}); YAML would "
+                    "silently keep the last value. Keep one of them."
+                )
+            seen[key] = line
+        return super().construct_mapping(node, deep=deep)
+
+
 def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> RunConfig:
     """Reads a YAML config file, applies overrides, and checks it.
 
@@ -416,8 +474,8 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
       overrides: ``key.sub=value`` strings, applied before checking.
 
     Raises:
-      ConfigError: the file is missing, unreadable, not YAML, or does not match the
-        schema (unknown keys, wrong types).
+      ConfigError: the file is missing, unreadable, not YAML, repeats a key, or does
+        not match the schema (unknown keys, wrong types, out-of-range values).
     """
     path = os.fspath(path)
     if not os.path.exists(path):
@@ -434,7 +492,9 @@ def load_config(path: str | os.PathLike[str], overrides: Sequence[str] = ()) -> 
     except OSError as e:
         raise ConfigError(f"Cannot read config file {path!r}: {e.strerror or e}.") from e
     try:
-        data = yaml.safe_load(text)
+        data = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 (a SafeLoader subclass)
+    except _DuplicateKeyError as e:
+        raise ConfigError(f"Config file {path!r}: {e}") from None
     except yaml.YAMLError as e:
         raise ConfigError(f"Config file {path!r} is not valid YAML: {e}") from e
     if data is None:
