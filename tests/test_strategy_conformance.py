@@ -18,6 +18,7 @@ STRATEGIES = {
     ),
     "mirrored_8_to_one": lambda: dt.MirroredStrategy(cross_device_ops=dt.ReductionToOneDevice()),
     "central_storage": lambda: dt.experimental.CentralStorageStrategy(),
+    "mirrored_8_sharded_state": lambda: dt.MirroredStrategy(shard_state=True, min_shard_bytes=0),
 }
 
 GLOBAL_BATCH = 16

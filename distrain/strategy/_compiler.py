@@ -115,7 +115,7 @@ class ReplicaCompiler:
             # Central storage keeps state off the compute mesh: broadcast inputs move to
             # the mesh and replicated results back; the others place nothing per call.
             strategy = self._strategy
-            self._moves = not strategy.state_sharding.is_equivalent_to(strategy._replicated, 0)
+            self._moves = not strategy.state_sharding(()).is_equivalent_to(strategy._replicated, 0)
         if self._moves:
             arrays = self._to_compute(arrays, treedef, program)
         while len(self._in_flight) >= self._max_in_flight:
@@ -215,7 +215,7 @@ class ReplicaCompiler:
                 check_vma=False,
             )(*arrays)
             outs = [
-                PerReplica(o, n, stacked=True) if v else o
+                PerReplica(o, n, stacked=True) if v else _place_state(strategy, o)
                 for o, v in zip(outs, varying, strict=True)
             ]
             return out_tree.unflatten(outs), done
@@ -238,6 +238,21 @@ class ReplicaCompiler:
             x if i in split else self._strategy._to_compute(x)
             for i, x in zip(positions, arrays, strict=True)
         ]
+
+
+def _place_state(strategy: Strategy, x: jax.Array) -> jax.Array:
+    """A replicated result laid out as the strategy keeps state of its shape.
+
+    A sharded layout on the mesh (one slice per replica) costs no communication: every
+    replica holds the whole value and keeps its slice. Layouts off the mesh (central
+    storage) are applied after the call.
+    """
+    target = strategy.state_sharding(x.shape)
+    if target is strategy._replicated or not isinstance(target, jax.sharding.NamedSharding):
+        return x
+    if target.mesh != strategy.mesh or target.is_fully_replicated:
+        return x
+    return jax.lax.with_sharding_constraint(x, target)
 
 
 def _donated_positions(
@@ -283,4 +298,3 @@ def _local_aval(x: Any, varying: bool, n: int) -> jax.ShapeDtypeStruct:
     if varying:
         shape = (shape[0] // n, *shape[1:])
     return jax.ShapeDtypeStruct(shape, x.dtype, weak_type=getattr(x, "weak_type", False))
-

@@ -3,8 +3,8 @@
 Who owns what (one concept per module):
 
 * ``Strategy`` (this module) is the abstract interface users program against: the
-  device mesh (one replica per device), the layout hook :attr:`Strategy.state_sharding`
-  (where state lives) that each concrete strategy fills, and the tf.distribute methods
+  device mesh (one replica per device), the layout hook :meth:`Strategy.state_sharding`
+  (where a state leaf lives) that each concrete strategy fills, and the tf.distribute methods
   (``run``, ``reduce``, ``gather``, ``experimental_local_results``, the distribute
   methods). Global batches are always split over the mesh axis, in replica order.
 * ``_compiler.ReplicaCompiler`` compiles and dispatches replica functions (``run``); a
@@ -35,7 +35,7 @@ from jax.sharding import PartitionSpec as P
 from distrain import context
 from distrain.context import ReduceOp
 from distrain.cross_device_ops import CrossDeviceOps, resolve
-from distrain.strategy import _checks
+from distrain.strategy import _checks, sharded
 from distrain.strategy import _cross_replica as xr
 from distrain.strategy._checks import check_placeable
 from distrain.strategy._compiler import ReplicaCompiler
@@ -51,7 +51,7 @@ def _is_per_replica(x: Any) -> bool:
 class Strategy(abc.ABC):
     """Abstract base of all synchronous strategies: one replica per device of a mesh.
 
-    Concrete strategies choose devices and fill :attr:`state_sharding`; everything else
+    Concrete strategies choose devices and fill :meth:`state_sharding`; everything else
     derives from the mesh.
 
     Args:
@@ -76,13 +76,39 @@ class Strategy(abc.ABC):
         self._replicated = NamedSharding(self._mesh, P())
         self._split = NamedSharding(self._mesh, P(self.axis_name))
         self._compiler = ReplicaCompiler(self, max_in_flight)
+        self._shard_state = False
+        self._min_shard_bytes = sharded.DEFAULT_MIN_SHARD_BYTES
+
+    def _set_shard_state(self, shard_state: bool, min_shard_bytes: int) -> None:
+        """Data-parallel strategies' ``shard_state`` option (see ``strategy/sharded.py``)."""
+        if not isinstance(shard_state, bool):
+            raise TypeError(f"`shard_state` must be a bool. Received: {shard_state!r}.")
+        self._shard_state = shard_state
+        self._min_shard_bytes = sharded.check_min_shard_bytes(min_shard_bytes)
+
+    def _data_parallel_sharding(self, shape: tuple[int, ...]) -> jax.sharding.Sharding:
+        """A full copy per replica, or with ``shard_state`` one slice per replica."""
+        if not self._shard_state:
+            return self._replicated
+        return sharded.leaf_sharding(
+            shape, self._replicated, self._split, self.num_replicas_in_sync, self._min_shard_bytes
+        )
+
+    def memory_report(self, tree: Any) -> dict[str, int]:
+        """Bytes of ``tree``'s arrays per device (``"bytes_per_device"``) and of one full
+        copy (``"bytes_full_copy"``), with the counts of sharded and replicated leaves.
+
+        Example:
+          >>> strategy.memory_report(state)["bytes_per_device"]
+        """
+        return sharded.memory_report(tree)
 
     # ------------------------------------------------------------ layout hook
-    @property
     @abc.abstractmethod
-    def state_sharding(self) -> jax.sharding.Sharding:
-        """Where state lives: what ``put_replicated`` places on, and where ``run``
-        returns results that are identical on every replica."""
+    def state_sharding(self, shape: tuple[int, ...]) -> jax.sharding.Sharding:
+        """Where a state leaf of this shape lives: what ``put_replicated`` places it on,
+        and where ``run`` returns a result of this shape that is identical on every
+        replica (a full copy per replica, one slice per replica, or another device)."""
 
     # ------------------------------------------------------------------ basics
     @property
@@ -121,7 +147,12 @@ class Strategy(abc.ABC):
         Raises:
           TypeError: a leaf that is not an array or a number (the message names it).
         """
-        return jax.device_put(check_placeable(tree), self.state_sharding)
+        tree = check_placeable(tree)
+        return jax.device_put(tree, self.state_shardings(tree))
+
+    def state_shardings(self, tree: Any) -> Any:
+        """The pytree of :meth:`state_sharding` for each leaf of ``tree``."""
+        return jax.tree.map(lambda x: self.state_sharding(np.shape(x)), tree)
 
     def distribute_batch(self, batch: Any) -> PerReplica:
         """Splits one global batch (a pytree of arrays) across the replicas, in order."""
@@ -137,7 +168,9 @@ class Strategy(abc.ABC):
         """Replicated results moved to where state lives (when that is not the mesh)."""
 
         def home(x: Any) -> Any:
-            return x if isinstance(x, PerReplica) else jax.device_put(x, self.state_sharding)
+            if isinstance(x, PerReplica):
+                return x
+            return jax.device_put(x, self.state_sharding(np.shape(x)))
 
         return jax.tree.map(home, tree, is_leaf=_is_per_replica)
 
@@ -178,9 +211,12 @@ class Strategy(abc.ABC):
           >>> state, loss = strategy.run(step, args=(state, dist_batch))
         """
         context.require_cross_replica(self, "run")
-        if type(args) is not tuple or type(donate_argnums) is not tuple or (
-            kwargs is not None and type(kwargs) is not dict
-        ) or not callable(fn):
+        if (
+            type(args) is not tuple
+            or type(donate_argnums) is not tuple
+            or (kwargs is not None and type(kwargs) is not dict)
+            or not callable(fn)
+        ):
             args, kwargs, donate_argnums = _checks.check_run_arguments(
                 fn, args, kwargs, donate_argnums
             )
@@ -243,7 +279,7 @@ class Strategy(abc.ABC):
     def _is_mirrored(self, x: Any) -> bool:
         """Whether ``x`` is an array held identically by every replica (where state lives)."""
         return isinstance(x, jax.Array) and x.sharding.is_equivalent_to(
-            self.state_sharding, x.ndim
+            self.state_sharding(x.shape), x.ndim
         )
 
     def _check_per_replica_devices(self, value: PerReplica) -> None:

@@ -9,6 +9,7 @@ import jax
 from distrain.cross_device_ops import CrossDeviceOps
 from distrain.strategy.base import Strategy
 from distrain.strategy.devices import DeviceSpec, parse_devices
+from distrain.strategy.sharded import DEFAULT_MIN_SHARD_BYTES
 
 
 class MirroredStrategy(Strategy):
@@ -19,19 +20,26 @@ class MirroredStrategy(Strategy):
         default: all local devices.
       cross_device_ops: how gradients are summed: ``dt.AllReduce()`` (default),
         ``dt.HierarchicalCopyAllReduce(num_packs)`` or ``dt.ReductionToOneDevice()``.
+      shard_state: keep ``1/N`` of each large state leaf per device between steps
+        (FSDP / ZeRO-3 storage; ``docs/scaling.md``). Results are the same.
+      min_shard_bytes: with ``shard_state``, leaves below this size stay replicated.
 
     Example:
       >>> strategy = dt.MirroredStrategy()            # all local devices
       >>> strategy = dt.MirroredStrategy(["cpu:0", "cpu:1"])
+      >>> strategy = dt.MirroredStrategy(shard_state=True)
     """
 
     def __init__(
         self,
         devices: Sequence[DeviceSpec] | None = None,
         cross_device_ops: CrossDeviceOps | None = None,
+        *,
+        shard_state: bool = False,
+        min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
     ) -> None:
         super().__init__(parse_devices(devices), cross_device_ops)
+        self._set_shard_state(shard_state, min_shard_bytes)
 
-    @property
-    def state_sharding(self) -> jax.sharding.Sharding:
-        return self._replicated  # a full copy on every replica
+    def state_sharding(self, shape: tuple[int, ...]) -> jax.sharding.Sharding:
+        return self._data_parallel_sharding(shape)

@@ -33,6 +33,7 @@ from distrain.cluster.base import ClusterResolver
 from distrain.cluster.communication import CommunicationOptions
 from distrain.cluster.runtime import initialize_distributed
 from distrain.strategy.base import Strategy
+from distrain.strategy.sharded import DEFAULT_MIN_SHARD_BYTES
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -48,6 +49,9 @@ class MultiWorkerMirroredStrategy(Strategy):
       communication_options: ``dt.CommunicationOptions(implementation, timeout_seconds)``;
         default from DISTRAIN_COLLECTIVES / DISTRAIN_TIMEOUT_SECONDS, else "auto" with
         JAX's timeouts.
+      shard_state: keep ``1/N`` of each large state leaf per device (all devices of all
+        processes) between steps, as ``MirroredStrategy(shard_state=True)``.
+      min_shard_bytes: with ``shard_state``, leaves below this size stay replicated.
 
     Raises:
       ValueError: the task is a TF_CONFIG "ps"/"evaluator" task, or the collectives
@@ -65,6 +69,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         self,
         cluster_resolver: ClusterResolver | None = None,
         communication_options: CommunicationOptions | None = None,
+        *,
+        shard_state: bool = False,
+        min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
     ) -> None:
         if communication_options is not None and not isinstance(
             communication_options, CommunicationOptions
@@ -86,10 +93,10 @@ class MultiWorkerMirroredStrategy(Strategy):
         # Replicas in process order: each process's replicas are contiguous, so its
         # rows of a global batch are one contiguous slice.
         super().__init__(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+        self._set_shard_state(shard_state, min_shard_bytes)
 
-    @property
-    def state_sharding(self) -> jax.sharding.Sharding:
-        return self._replicated  # a full copy on every replica
+    def state_sharding(self, shape: tuple[int, ...]) -> jax.sharding.Sharding:
+        return self._data_parallel_sharding(shape)
 
     @property
     def cluster_resolver(self) -> ClusterResolver:

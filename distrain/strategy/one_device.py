@@ -21,8 +21,7 @@ class OneDeviceStrategy(Strategy):
     def __init__(self, device: DeviceSpec) -> None:
         super().__init__([parse_device(device)])
 
-    @property
-    def state_sharding(self) -> jax.sharding.Sharding:
+    def state_sharding(self, shape: tuple[int, ...]) -> jax.sharding.Sharding:
         return self._replicated
 
 
@@ -32,8 +31,7 @@ class _DefaultStrategy(Strategy):
     def __init__(self) -> None:
         super().__init__([jax.devices()[0]])
 
-    @property
-    def state_sharding(self) -> jax.sharding.Sharding:
+    def state_sharding(self, shape: tuple[int, ...]) -> jax.sharding.Sharding:
         return self._replicated
 
     def scope(self) -> AbstractContextManager[Strategy]:

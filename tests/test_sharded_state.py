@@ -1,0 +1,150 @@
+"""``shard_state=True``: 1/N of the state per device, the same training as replicated.
+
+The conformance suite (tests/test_strategy_conformance.py) pins "same parameters as
+one device after N steps" for ``mirrored_8_sharded_state``; here: the layout and its
+memory, the Trainer, checkpoints moved between layouts and device counts, and 2
+processes x 4 devices against 1 x 8.
+"""
+
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import distrain as dt
+from distrain.cluster.launch import free_port
+from tests.linear_problem import new_state, problem, train_step
+from tests.processes import run_together
+from tests.test_multi_worker import clean_env
+
+SCRIPT = str(Path(__file__).parent / "scripts" / "mw_sharded.py")
+
+
+def big_state():
+    k1, k2 = jax.random.split(jax.random.key(0))
+    params = {
+        "w1": jax.random.normal(k1, (64, 256)) * 0.05,  # 64 KiB: sharded
+        "w2": jax.random.normal(k2, (256, 8)) * 0.05,  # 8 KiB: below the threshold
+        "b1": jnp.zeros(256),
+    }
+    return dt.TrainState.create(params=params, tx=optax.adam(1e-3))
+
+
+def test_large_leaves_are_split_and_memory_drops_to_about_one_nth(devices):
+    sharded = dt.MirroredStrategy(shard_state=True)
+    mirrored = dt.MirroredStrategy()
+    s_state = sharded.put_replicated(big_state())
+    m_state = mirrored.put_replicated(big_state())
+    w1 = s_state.params["w1"]
+    assert w1.sharding.spec == jax.sharding.PartitionSpec("replica")
+    assert w1.addressable_shards[0].data.shape == (8, 256)
+    assert s_state.params["w2"].sharding.is_fully_replicated  # small
+    assert s_state.opt_state[0].mu["w1"].sharding.spec == w1.sharding.spec  # moments too
+    s, m = sharded.memory_report(s_state), mirrored.memory_report(m_state)
+    assert s["bytes_full_copy"] == m["bytes_full_copy"] == m["bytes_per_device"]
+    # w1 and its two Adam moments (3 x 64 KiB) are split 8 ways; the rest is replicated.
+    small = m["bytes_per_device"] - 3 * 64 * 256 * 4
+    assert s["bytes_per_device"] == small + 3 * 64 * 256 * 4 // 8
+    assert s["bytes_per_device"] < m["bytes_per_device"] / 3
+    assert s["sharded_leaves"] == 3
+
+
+def test_the_state_stays_sharded_through_steps_and_matches_mirrored(devices):
+    def step(state, batch):
+        def loss_fn(p):
+            h = jnp.tanh(batch["x"] @ p["w1"] + p["b1"])
+            return dt.compute_average_loss(jnp.sum((h @ p["w2"]) ** 2, -1))
+
+        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params)), {}
+
+    x = np.random.default_rng(0).normal(size=(32, 64)).astype(np.float32)
+    results = {}
+    for name, strategy in [
+        ("sharded", dt.MirroredStrategy(shard_state=True)),
+        ("mirrored", dt.MirroredStrategy()),
+    ]:
+        state = strategy.put_replicated(big_state())
+        batch = strategy.distribute_batch({"x": x})
+        for _ in range(3):
+            state, _ = strategy.run(step, args=(state, batch), donate_argnums=(0,))
+        results[name] = state
+    sharded = results["sharded"]
+    assert not sharded.params["w1"].sharding.is_fully_replicated
+    assert int(sharded.step) == 3
+    for a, b in zip(jax.tree.leaves(sharded), jax.tree.leaves(results["mirrored"]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_trainer_fit_with_sharded_state_equals_mirrored(devices):
+    data = dict(problem(128))
+    finals = []
+    for strategy in (
+        dt.MirroredStrategy(shard_state=True, min_shard_bytes=0),
+        dt.MirroredStrategy(),
+    ):
+        pipe = dt.data.ArrayPipeline(data, global_batch_size=32, num_epochs=None)
+        final, history = dt.Trainer(strategy, train_step).fit(new_state(), pipe, steps=6)
+        finals.append(final)
+    for a, b in zip(jax.tree.leaves(finals[0]), jax.tree.leaves(finals[1]), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("save_sharded", [True, False])
+def test_checkpoints_move_between_layouts_and_device_counts(tmp_path, devices, save_sharded):
+    saver = dt.MirroredStrategy(shard_state=save_sharded)
+    state = saver.put_replicated(big_state())
+    manager = dt.CheckpointManager(tmp_path / "ckpt", async_save=False)
+    manager.save(1, state)
+    manager.close()
+    for loader in (
+        dt.MirroredStrategy(shard_state=not save_sharded),  # the other layout
+        dt.MirroredStrategy(devices[:4], shard_state=True),  # 8 -> 4 devices
+        dt.OneDeviceStrategy("cpu:0"),
+    ):
+        target = loader.put_replicated(big_state())
+        restored = dt.CheckpointManager(tmp_path / "ckpt").restore(target=target).state
+        for got, want, tmpl in zip(
+            jax.tree.leaves(restored),
+            jax.tree.leaves(state),
+            jax.tree.leaves(target),
+            strict=True,
+        ):
+            assert got.sharding == tmpl.sharding  # the loader's layout
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    [(code, log, _)] = run_together(
+        [([sys.executable, SCRIPT, "--out", str(ref), "--shard-state", "0"], clean_env(8))], 120
+    )
+    assert code == 0, log
+    port = free_port()
+    jobs = []
+    for i in range(2):
+        env = clean_env(
+            4,
+            DISTRAIN_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            DISTRAIN_NUM_PROCESSES="2",
+            DISTRAIN_PROCESS_ID=str(i),
+            DISTRAIN_TIMEOUT_SECONDS="30",
+        )
+        jobs.append(([sys.executable, SCRIPT, "--out", str(tmp_path)], env))
+    for code, log, _ in run_together(jobs, 120):
+        assert code == 0, log
+    with np.load(ref / "result_0.npz") as f:
+        want = dict(f)
+    for pid in (0, 1):
+        with np.load(tmp_path / f"result_{pid}.npz") as f:
+            got = dict(f)
+        assert int(got["replicas"]) == int(want["replicas"]) == 8
+        np.testing.assert_allclose(got["losses"], want["losses"], rtol=1e-6)
+        for name in ("w1", "b1", "w2", "b2"):
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
+        assert int(got["bytes_per_device"]) < int(want["bytes_per_device"])
+    assert want["losses"][0] != want["losses"][-1]
