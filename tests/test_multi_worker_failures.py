@@ -83,3 +83,19 @@ def test_survivor_of_a_dead_peer_exits_within_the_timeout(tmp_path, dying):
     assert survivor_code != 0, survivor_log
     assert "another task died" in survivor_log or "heartbeat" in survivor_log, survivor_log
     assert seconds < 45
+
+
+def test_processes_that_disagree_on_the_number_of_processes_fail_clearly():
+    # Process 1 thinks the job has 3 processes: it still joins process 0's 2-process
+    # cluster (ids 0 and 1 are valid there), so JAX alone lets both run.
+    port = free_port()
+    jobs = [
+        ([sys.executable, PROBE], env_for(port, 2, 0, timeout_s=20)),
+        ([sys.executable, PROBE], env_for(port, 3, 1, timeout_s=20)),
+    ]
+    for code, log, seconds in run_together(jobs, timeout=60):
+        assert code != 0, log
+        assert "OK " not in log
+        assert "processes disagree on the number of processes" in log, log
+        assert "process 0 expects 2, process 1 expects 3" in log, log
+        assert seconds < 40

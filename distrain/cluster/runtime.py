@@ -11,7 +11,10 @@ lacks for a training framework:
 - processes that never all join end with a message naming the address and the
   missing count, after the timeout, instead of JAX's bare abort;
 - every process must have the same number of local devices (a one-axis mesh
-  over all devices assumes it), checked from the global device list.
+  over all devices assumes it), checked from the global device list;
+- every process must have been started with the same number of processes
+  (JAX sizes the cluster from process 0 alone), checked through the
+  coordination service's key-value store right after joining.
 
 A peer that dies later is JAX's business: the coordination service notices the
 missing heartbeats after `heartbeat_timeout` seconds and terminates every
@@ -204,7 +207,7 @@ def initialize_distributed(
         TimeoutError: the coordinator could not be reached within the timeout.
         OSError: process 0 cannot listen on the coordinator port.
         RuntimeError: a different cluster was already joined, JAX had already
-            started, or the processes' device counts differ.
+            started, or the processes' device counts or expected process counts differ.
 
     Example:
         >>> import distrain as dt  # with DISTRAIN_* set by `distrain launch`:
@@ -290,3 +293,41 @@ def _join(resolver: ClusterResolver, options: CommunicationOptions) -> None:
             )
     finally:
         watchdog.cancel()
+    _check_process_counts(resolver.num_processes, resolver.process_id, timeout)
+
+
+# Key prefix in the coordination service's key-value store for the process-count check.
+_COUNT_KEY = "distrain/cluster/expected_num_processes"
+
+
+def _check_process_counts(expected: int, process_id: int, timeout: float) -> None:
+    """Raises in every process unless all processes were started with the same count.
+
+    The coordination service takes its size from process 0 only: a process started
+    with another DISTRAIN_NUM_PROCESSES but a valid id joins without complaint.
+    Every process publishes its expected count and reads everyone's, so each raises
+    the same error.
+    """
+    try:
+        from jax._src import distributed as jax_distributed
+
+        client = jax_distributed.global_state.client
+    except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX version
+        return
+    if client is None:  # pragma: no cover - initialize() always creates one
+        return
+    timeout_ms = max(1000, int(timeout * 1000))
+    client.key_value_set(f"{_COUNT_KEY}/{process_id}", str(expected))
+    # The cluster's real size is process 0's; every one of its processes has connected.
+    actual = int(client.blocking_key_value_get(f"{_COUNT_KEY}/0", timeout_ms))
+    counts = {0: actual}
+    for other in range(1, actual):
+        counts[other] = int(client.blocking_key_value_get(f"{_COUNT_KEY}/{other}", timeout_ms))
+    if len(set(counts.values())) > 1:
+        listing = ", ".join(f"process {p} expects {n}" for p, n in sorted(counts.items()))
+        raise RuntimeError(
+            f"The processes disagree on the number of processes in the job: {listing} (this "
+            f"is process {process_id}; the cluster has process 0's {actual}). Expected every "
+            "process to start with the same DISTRAIN_NUM_PROCESSES (or TF_CONFIG / Slurm "
+            "task count); fix the launch command and start all of them again."
+        )
