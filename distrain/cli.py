@@ -7,6 +7,12 @@ Subcommands:
 * ``distrain launch [options] -- PROGRAM ...``: run N processes of a program on this
   machine as one multi-worker job (see ``distrain launch --help``).
 
+Errors: a user error (a bad config, data that cannot be loaded, a bad batch size, an
+exception from your own code) is one ``distrain train: error: ...`` line on stderr,
+exit status 2 for config errors and for the ValueError/TypeError/OSError a check
+raises, 1 for anything else. ``--debug`` (or ``DISTRAIN_DEBUG=1``) shows the full
+traceback instead.
+
 Example:
   $ distrain train --config configs/quickstart.yaml train.epochs=5
   $ distrain launch --nproc 2 -- distrain train --config configs/quickstart.yaml \\
@@ -16,6 +22,7 @@ Example:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -53,6 +60,11 @@ def _parser() -> argparse.ArgumentParser:
         help="print the checked config (with overrides and defaults) and exit",
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
+    train.add_argument(
+        "--debug",
+        action="store_true",
+        help="show the full traceback of an error (also: DISTRAIN_DEBUG=1)",
+    )
     # `launch` is parsed by distrain.cluster.launch; listed here for `distrain --help`.
     sub.add_parser(
         "launch",
@@ -62,13 +74,31 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _debug_wanted(args: argparse.Namespace) -> bool:
+    return bool(args.debug) or os.environ.get("DISTRAIN_DEBUG", "").strip() not in ("", "0")
+
+
+def _error(message: str) -> None:
+    # One line, whatever the exception's message looks like: logs and launchers that
+    # prefix each line with the process stay readable.
+    print(f"distrain train: error: {' '.join(message.split())}", file=sys.stderr)
+
+
+# Errors raised by checks of what the user passed (values, types, files, the network):
+# exit 2 like argparse's usage errors. Anything else is unexpected: exit 1.
+_USER_ERRORS = (ValueError, TypeError, OSError, ImportError)
+
+
 def _train(args: argparse.Namespace) -> int:
     from distrain.train.config import ConfigError, config_to_dict, load_config
 
+    debug = _debug_wanted(args)
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
-        print(f"distrain train: error: {e}", file=sys.stderr)
+        if debug:
+            raise
+        _error(str(e))
         return 2
     if args.print_config:
         import yaml
@@ -79,9 +109,15 @@ def _train(args: argparse.Namespace) -> int:
 
     try:
         run_config(cfg, progress_bar=not args.no_progress)
-    except ConfigError as e:
-        print(f"distrain train: error: {e}", file=sys.stderr)
-        return 2
+    except Exception as e:
+        if debug:
+            raise
+        hint = " (run with --debug or DISTRAIN_DEBUG=1 for the traceback)"
+        if isinstance(e, ConfigError):
+            _error(str(e))
+            return 2
+        _error(f"{type(e).__name__}: {e}{hint}")
+        return 2 if isinstance(e, _USER_ERRORS) else 1
     return 0
 
 

@@ -11,7 +11,8 @@ by name::
 * :func:`load_mnist` downloads the four standard MNIST ``idx.gz`` files once into
   a cache directory (written atomically, verified by SHA-256) and parses them with
   NumPy. When the machine is offline it says which URL failed and where to put the
-  files by hand.
+  files by hand. ``$DISTRAIN_MNIST_URL`` names another mirror (``$DISTRAIN_DATA_DIR``
+  another cache root).
 
 Example::
 
@@ -35,6 +36,7 @@ import numpy as np
 
 __all__ = [
     "DEFAULT_MNIST_URL",
+    "MNISTDownloadError",
     "MNIST_FILES",
     "MNIST_SHA256",
     "load_digits",
@@ -65,6 +67,28 @@ MNIST_SHA256: dict[str, str] = {
     "t10k-images-idx3-ubyte.gz": "8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6",
     "t10k-labels-idx1-ubyte.gz": "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6",
 }
+
+
+
+class MNISTDownloadError(ConnectionError):
+    """An MNIST file is not cached and cannot be downloaded.
+
+    Attributes:
+      url: the URL that failed.
+      reason: why (the network error, as text).
+      cache_dir: where the files are expected.
+      missing: the MNIST file names not yet in ``cache_dir`` (all splits).
+    """
+
+    def __init__(self, url: str, reason: str, cache_dir: Path, missing: list[str]) -> None:
+        self.url, self.reason, self.cache_dir, self.missing = url, reason, cache_dir, missing
+        super().__init__(
+            f"Could not download {url}: {reason}. If this machine is offline, download "
+            f"{', '.join(missing)} from {DEFAULT_MNIST_URL} (or another MNIST mirror) on a "
+            f"machine that has access and copy them into {cache_dir}/, or pass base_url= (or "
+            "set DISTRAIN_MNIST_URL) pointing at a reachable mirror."
+        )
+
 
 # idx magic numbers: two zero bytes, type code 0x08 (unsigned byte), number of dims.
 _IDX_IMAGES_MAGIC = 0x00000803
@@ -148,15 +172,11 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _manual_hint(cache_dir: Path, names: tuple[str, ...]) -> str:
-    return (
-        f"If this machine is offline, download {', '.join(names)} from {DEFAULT_MNIST_URL} (or "
-        f"another MNIST mirror) on a machine that has access and copy them into {cache_dir}/, "
-        "or pass base_url= pointing at a reachable mirror."
-    )
+def _missing_files(cache_dir: Path) -> list[str]:
+    return [n for pair in MNIST_FILES.values() for n in pair if not (cache_dir / n).exists()]
 
 
-def _download(url: str, dest: Path, expected_sha256: str, timeout: float, hint: str) -> None:
+def _download(url: str, dest: Path, expected_sha256: str, timeout: float) -> None:
     """Downloads ``url`` to ``dest`` atomically: a temporary file, checked, then renamed."""
     dest.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".part", dir=dest.parent)
@@ -169,8 +189,8 @@ def _download(url: str, dest: Path, expected_sha256: str, timeout: float, hint: 
                     digest.update(chunk)
                     out.write(chunk)
         except (urllib.error.URLError, OSError) as e:
-            reason = getattr(e, "reason", None) or e
-            raise ConnectionError(f"Could not download {url}: {reason}. {hint}") from e
+            reason = str(getattr(e, "reason", None) or e)
+            raise MNISTDownloadError(url, reason, dest.parent, _missing_files(dest.parent)) from e
         got = digest.hexdigest()
         if got != expected_sha256:
             raise ValueError(
@@ -228,8 +248,7 @@ def _fetch(
             )
         return path
     url = base_url.rstrip("/") + "/" + name
-    hint = _manual_hint(cache_dir, (name,))
-    _download(url, path, expected, timeout, hint)
+    _download(url, path, expected, timeout)
     return path
 
 
@@ -237,7 +256,7 @@ def load_mnist(
     split: str = "train",
     *,
     cache_dir: str | os.PathLike[str] | None = None,
-    base_url: str = DEFAULT_MNIST_URL,
+    base_url: str | None = None,
     checksums: Mapping[str, str] | None = None,
     timeout: float = 60.0,
 ) -> dict[str, np.ndarray]:
@@ -256,7 +275,8 @@ def load_mnist(
       split: ``"train"`` (60,000 images) or ``"test"`` (10,000 images).
       cache_dir: where the files live. Default: ``$DISTRAIN_DATA_DIR/mnist`` when
         that variable is set, else ``~/.cache/distrain/mnist``.
-      base_url: mirror to download from; the file names are appended to it.
+      base_url: mirror to download from; the file names are appended to it. Default:
+        ``$DISTRAIN_MNIST_URL`` when that variable is set, else :data:`DEFAULT_MNIST_URL`.
       checksums: file name -> expected SHA-256 hex digest. Override only for a
         mirror that serves other bytes (or in tests).
       timeout: seconds to wait on the network per request.
@@ -265,8 +285,9 @@ def load_mnist(
       ``{"image": float32 [N, 28, 28, 1] in [0, 1], "label": int32 [N]}``.
 
     Raises:
-      ConnectionError: a file is not cached and its URL cannot be fetched; the
-        message names the URL and the directory to place the files in by hand.
+      MNISTDownloadError: (a ``ConnectionError``) a file is not cached and its URL
+        cannot be fetched; the message names the URL, the missing files and the
+        directory to place them in by hand.
       ValueError: a checksum mismatch or a corrupt idx file (deleted), or an
         unknown split.
 
@@ -277,6 +298,8 @@ def load_mnist(
     """
     _check_split(split)
     cache = Path(cache_dir) if cache_dir is not None else _default_cache_dir()
+    if base_url is None:
+        base_url = os.environ.get("DISTRAIN_MNIST_URL") or DEFAULT_MNIST_URL
     sums = MNIST_SHA256 if checksums is None else checksums
     images_name, labels_name = MNIST_FILES[split]
 

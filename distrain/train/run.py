@@ -126,7 +126,20 @@ def _optimizer(name: str, learning_rate: float, kwargs: Mapping[str, Any]) -> An
         raise ConfigError(f"Config section 'optimizer': optax.{name}(...) failed: {e}.") from e
 
 
-def _pipelines(cfg: RunConfig, splits: Any) -> dict[str, Iterable[Any]]:
+def _check_divisible(field: str, batch: int, num_replicas: int) -> None:
+    """A config batch size must split evenly over the replicas (each gets an equal share)."""
+    if batch % num_replicas:
+        lo, hi = batch // num_replicas * num_replicas, (batch // num_replicas + 1) * num_replicas
+        use = f"{lo} or {hi}" if lo else f"{hi}"
+        raise ConfigError(
+            f"Config field {field!r}: {field} ({batch}) must be divisible by the number of "
+            f"replicas ({num_replicas} replicas): every replica gets an equal share of each "
+            f"batch. Use {use} (a multiple of {num_replicas}), or choose the devices with "
+            "strategy.devices=[...]."
+        )
+
+
+def _pipelines(cfg: RunConfig, splits: Any, num_replicas: int) -> dict[str, Iterable[Any]]:
     from distrain.data.pipeline import ArrayPipeline
 
     if not isinstance(splits, Mapping) or "train" not in splits:
@@ -137,28 +150,66 @@ def _pipelines(cfg: RunConfig, splits: Any) -> dict[str, Iterable[Any]]:
         )
     out: dict[str, Iterable[Any]] = {}
     eval_batch = cfg.data.eval_batch_size or cfg.data.global_batch_size
+    eval_field = "data.eval_batch_size" if cfg.data.eval_batch_size else "data.global_batch_size"
     for name, split in splits.items():
         if not isinstance(split, Mapping):
             out[name] = split  # already an iterable of global batches
-        elif name == "train":
-            out[name] = ArrayPipeline(
-                dict(split),
-                global_batch_size=cfg.data.global_batch_size,
-                seed=cfg.seed,
-                shuffle=cfg.data.shuffle,
-                num_epochs=None,
-                drop_remainder=True,
-            )
-        else:
-            out[name] = ArrayPipeline(
-                dict(split),
-                global_batch_size=eval_batch,
-                shuffle=False,
-                num_epochs=1,
-                drop_remainder=False,
-                mask_key="mask",
-            )
+            continue
+        field, batch = ("data.global_batch_size", cfg.data.global_batch_size)
+        if name != "train":
+            field, batch = eval_field, eval_batch
+        _check_divisible(field, batch, num_replicas)
+        try:
+            if name == "train":
+                out[name] = ArrayPipeline(
+                    dict(split),
+                    global_batch_size=batch,
+                    seed=cfg.seed,
+                    shuffle=cfg.data.shuffle,
+                    num_epochs=None,
+                    drop_remainder=True,
+                )
+            else:
+                out[name] = ArrayPipeline(
+                    dict(split),
+                    global_batch_size=batch,
+                    shuffle=False,
+                    num_epochs=1,
+                    drop_remainder=False,
+                    mask_key="mask",
+                )
+        except ValueError as e:
+            raise ConfigError(
+                f"Config section 'data': the {name!r} split of {cfg.data.fn} with "
+                f"{field}={batch}: {e}"
+            ) from e
     return out
+
+
+def _load_data(cfg: RunConfig, data_fn: Callable[..., Any]) -> Any:
+    """Calls ``data.fn``; an MNIST that cannot be downloaded becomes a ConfigError that
+    says what a config user can do (the library's hint, ``base_url=``, is not a field)."""
+    from distrain.data.datasets import DEFAULT_MNIST_URL, MNISTDownloadError
+
+    try:
+        return data_fn(**cfg.data.kwargs)
+    except MNISTDownloadError as e:
+        try:
+            params = inspect.signature(data_fn).parameters
+        except (TypeError, ValueError):
+            params = {}
+        where = "the DISTRAIN_DATA_DIR environment variable sets the parent directory"
+        if "cache_dir" in params:
+            where += ", data.kwargs.cache_dir=DIR another one"
+        mirror = "set DISTRAIN_MNIST_URL to a reachable mirror"
+        if "base_url" in params:
+            mirror += " (or data.kwargs.base_url=URL)"
+        raise ConfigError(
+            f"Config field 'data.fn' ({cfg.data.fn}): MNIST is not in {e.cache_dir}/ and "
+            f"{e.url} cannot be downloaded ({e.reason}). Offline: copy {', '.join(e.missing)} "
+            f"from {DEFAULT_MNIST_URL} (or another MNIST mirror) into {e.cache_dir}/ ({where}); "
+            f"or {mirror}. configs/quickstart.yaml trains on bundled digits with no download."
+        ) from e
 
 
 def _callbacks(cfg: RunConfig, progress_bar: bool) -> list[Any]:
@@ -203,7 +254,9 @@ def run_config(
       print_fn: where the summary lines go (``None``: silent). Only the chief prints.
 
     Raises:
-      ConfigError: a name in the config that cannot be imported or used.
+      ConfigError: a name in the config that cannot be imported or used, a batch size
+        that does not divide over the replicas, data that cannot be loaded (MNIST
+        offline).
     """
     from distrain.train.state import TrainState
     from distrain.train.trainer import Trainer
@@ -231,7 +284,7 @@ def run_config(
 
     data_fn = resolve_callable(cfg.data.fn, "data.fn")
     _check_call(data_fn, "data", cfg.data.fn, **cfg.data.kwargs)
-    data = _pipelines(cfg, data_fn(**cfg.data.kwargs))
+    data = _pipelines(cfg, _load_data(cfg, data_fn), strategy.num_replicas_in_sync)
 
     bind = dict(apply_fn=apply_fn, **cfg.train.step_kwargs)
     train_fn = resolve_callable(cfg.train.train_step, "train.train_step")
