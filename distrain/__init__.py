@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 from distrain import checkpoint as checkpoint
 from distrain import data as data
 from distrain import experimental as experimental
+from distrain import mixed_precision as mixed_precision
 from distrain.checkpoint import PREEMPTION_EXIT_CODE as PREEMPTION_EXIT_CODE
 from distrain.checkpoint import CheckpointCorruptionError as CheckpointCorruptionError
 from distrain.checkpoint import CheckpointManager as CheckpointManager
@@ -97,6 +98,7 @@ __all__ = [
     "in_cross_replica_context",
     "initialize_distributed",
     "metrics",
+    "mixed_precision",
     "resolve_cluster",
     "scale_regularization_loss",
 ]

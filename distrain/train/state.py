@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -10,6 +11,7 @@ import optax
 from flax import struct
 
 from distrain import context
+from distrain import mixed_precision as mp
 
 
 @struct.dataclass
@@ -31,7 +33,9 @@ class TrainState:
     opt_state: Any
     rng: jax.Array | None = None
     extra: dict[str, Any] = struct.field(default_factory=dict)
+    loss_scale: mp.DynamicLossScale | None = None
     tx: optax.GradientTransformation = struct.field(pytree_node=False, default=None)
+    policy: mp.Policy | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
     def create(
@@ -40,17 +44,68 @@ class TrainState:
         params: Any,
         tx: optax.GradientTransformation,
         rng: jax.Array | None = None,
+        policy: mp.Policy | str | None = None,
         **extra: Any,
     ) -> TrainState:
-        """A state at step 0 with ``tx``'s freshly initialised optimizer state."""
+        """A state at step 0 with ``tx``'s freshly initialised optimizer state.
+
+        Args:
+          params: the parameters (kept in float32 under a mixed-precision policy).
+          tx: the optax optimizer.
+          rng: an optional PRNG key carried with the state.
+          policy: ``"float32"`` (default), ``"mixed_bfloat16"`` or ``"mixed_float16"``
+            (see ``dt.mixed_precision``); ``mixed_float16`` adds a dynamic loss scale.
+          **extra: other collections, e.g. ``batch_stats=...``.
+        """
+        policy = mp.policy_of(policy)
+        if policy is not None:
+            params = policy.cast_to_param(params)
         return cls(
             step=jnp.zeros((), jnp.int32),
             params=params,
             opt_state=tx.init(params),
             rng=rng,
             extra=dict(extra),
+            loss_scale=mp.DynamicLossScale.create() if policy and policy.loss_scaling else None,
             tx=tx,
+            policy=policy,
         )
+
+    def value_and_grad(
+        self, fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
+    ) -> Callable[..., Any]:
+        """``jax.value_and_grad(fn)`` under this state's mixed-precision policy.
+
+        Floating arguments are cast to the compute dtype; with a loss scale the loss is
+        scaled before differentiation and the gradients unscaled after. The loss and
+        gradients come back in float32. Without a policy it is ``jax.value_and_grad``.
+
+        Example:
+          >>> loss, grads = state.value_and_grad(loss_fn)(state.params, batch)
+        """
+        policy, scale = self.policy, self.loss_scale
+        if policy is None:
+            return jax.value_and_grad(fn, argnums, has_aux=has_aux)
+
+        def scaled(*args: Any, **kwargs: Any) -> Any:
+            out = fn(*policy.cast_to_compute(args), **policy.cast_to_compute(kwargs))
+            loss, aux = out if has_aux else (out, None)
+            loss = jnp.asarray(loss, jnp.float32)
+            if scale is not None:
+                loss = loss * scale.scale
+            return loss, (loss, aux)
+
+        grad_fn = jax.grad(scaled, argnums, has_aux=True)
+
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            grads, (loss, aux) = grad_fn(*args, **kwargs)
+            grads = policy.cast_to_param(grads)
+            if scale is not None:
+                loss = loss / scale.scale
+                grads = jax.tree.map(lambda g: g / scale.scale, grads)
+            return ((loss, aux) if has_aux else loss), grads
+
+        return wrapped
 
     def apply_gradients(self, *, grads: Any, all_reduce: bool = True, **changes: Any) -> TrainState:
         """One optimizer update with ``grads``.
@@ -72,9 +127,21 @@ class TrainState:
                 f"{jax.tree.structure(self.params)}\nTake the gradient with respect to "
                 "state.params, e.g. `jax.grad(loss_fn)(state.params, batch)`."
             )
+        if self.policy is not None:
+            grads = self.policy.cast_to_param(grads)  # the all-reduce runs in float32
         ctx = context.get_replica_context()
         if all_reduce and ctx is not None:
             grads = ctx.all_reduce("sum", grads)
         updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
         params = optax.apply_updates(self.params, updates)
+        if self.loss_scale is not None:
+            # An overflow skips the update on every replica (the gradients were
+            # all-reduced, so all agree) and halves the scale.
+            finite = mp.all_finite(grads)
+
+            def keep(new: Any, old: Any) -> Any:
+                return jax.tree.map(lambda a, b: jnp.where(finite, a, b), new, old)
+
+            params, opt_state = keep(params, self.params), keep(opt_state, self.opt_state)
+            changes = {"loss_scale": self.loss_scale.adjust(finite), **changes}
         return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **changes)
