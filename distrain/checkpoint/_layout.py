@@ -179,12 +179,13 @@ def to_storable(state: PyTree) -> tuple[PyTree, list[tuple[str, Any, str | None]
 
 
 def check_compatible(saved: Sequence[LeafInfo], target: PyTree, where: str) -> None:
-    """Raises ValueError naming the first leaf where ``target`` and ``saved`` disagree."""
+    """Raises ValueError naming the first leaf where ``target`` and ``saved`` disagree
+    (a missing or extra leaf, another shape, or a dtype that would truncate the values)."""
     by_path = {leaf.path: leaf for leaf in saved}
     target_paths = set()
     for path, x in flatten(target):
         target_paths.add(path)
-        shape, _ = leaf_shape_dtype(x)
+        shape, dtype = leaf_shape_dtype(x)
         info = by_path.get(path)
         if info is None:
             raise ValueError(
@@ -199,6 +200,18 @@ def check_compatible(saved: Sequence[LeafInfo], target: PyTree, where: str) -> N
                 f"the checkpoint has shape {info.shape} ({info.dtype}), the target has "
                 f"shape {shape}. Pass a target built like the state that was saved (same "
                 "model and optimizer), or use a new checkpoint directory."
+            )
+        saved_dtype = np.dtype(info.dtype)
+        # Casting within a kind (float32 -> bfloat16, int64 -> int32) or up a kind
+        # (int -> float) keeps the values' meaning; float -> int, complex -> float or
+        # number -> bool would silently truncate them.
+        if not is_prng_key(x) and not np.can_cast(saved_dtype, dtype, "same_kind"):
+            raise ValueError(
+                f"The checkpoint {where} does not match the restore target: at {path!r} "
+                f"the checkpoint holds {saved_dtype.name} values, the target is "
+                f"{np.dtype(dtype).name}; casting would truncate them. Give the target "
+                f"leaf the dtype {saved_dtype.name} (or another {saved_dtype.kind!r}-kind "
+                "dtype) and convert after restoring if you mean to."
             )
     for info in saved:
         if info.path not in target_paths:

@@ -25,7 +25,10 @@ Example:
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
+import re
 import time
 import uuid
 import warnings
@@ -67,14 +70,74 @@ def _positive_int(name: str, value: Any, allow_none: bool = False) -> int | None
     return int(value)
 
 
-def _agree(ok: bool) -> bool:
-    """True only if ``ok`` on every process (all processes must call it together)."""
+def _worst(code: int) -> int:
+    """The largest ``code`` over all processes (all processes must call it together)."""
     if jax.process_count() == 1:
-        return ok
+        return code
     from jax.experimental import multihost_utils
 
-    flags = multihost_utils.process_allgather(np.asarray(int(ok), np.int32))
-    return bool(np.all(flags))
+    codes = multihost_utils.process_allgather(np.asarray(code, np.int32))
+    return int(np.max(codes))
+
+
+# Outcomes of reading a step, ordered so that the worst over the processes wins.
+_OK, _DAMAGED, _FAILED = 0, 1, 2
+
+# Tensorstore reports unreadable array files as ValueErrors with a status code, e.g.
+# 'OUT_OF_RANGE: Error reading "params.w/0.0" in OCDBT database ...' (truncated file) or
+# 'FAILED_PRECONDITION: Error reading ...: Truncated Zstd-compressed stream'.
+_TENSORSTORE_DAMAGE = re.compile(
+    r"^(DATA_LOSS|OUT_OF_RANGE|NOT_FOUND|FAILED_PRECONDITION|INVALID_ARGUMENT): "
+    r"Error (reading|opening|decoding)"
+)
+
+
+def _is_damage(e: BaseException) -> bool:
+    """Whether ``e`` is evidence that the files of a step are damaged.
+
+    Damage: a distrain integrity check failed (fingerprint, checksum, manifest), a
+    file is missing, a JSON file does not parse, or tensorstore could not read or
+    decode an array file. Anything else (a permission problem, a bug, an interrupt)
+    says nothing about the files and must not get a good checkpoint set aside.
+    """
+    seen: set[int] = set()
+    err: BaseException | None = e
+    while err is not None and id(err) not in seen:
+        seen.add(id(err))
+        if isinstance(
+            err,
+            CheckpointCorruptionError
+            | json.JSONDecodeError
+            | UnicodeDecodeError
+            | FileNotFoundError
+            | NotADirectoryError
+            | IsADirectoryError,
+        ):
+            return True
+        if isinstance(err, ValueError) and _TENSORSTORE_DAMAGE.match(str(err)):
+            return True
+        err = err.__cause__ or err.__context__
+    return False
+
+
+def _with_path(e: Exception, where: str) -> Exception:
+    """``e`` re-raised with the checkpoint path in its message (same type when possible)."""
+    text = (
+        f"Could not restore checkpoint {where}: {_describe(e, 1000)}. This is not a sign "
+        "of damaged files, so the checkpoint was left in place; fix the cause and restore "
+        "again."
+    )
+    if type(e).__module__ == "builtins":
+        try:
+            return type(e)(text)
+        except Exception:  # noqa: BLE001 - a constructor with other arguments
+            pass
+    return RuntimeError(text)
+
+
+# Managers built so far in this process: all processes build them in the same order,
+# so the count names the same manager everywhere (see `_barrier_prefix`).
+_instances = itertools.count()
 
 
 class CheckpointManager:
@@ -115,8 +178,9 @@ class CheckpointManager:
     ) -> None:
         self._max_to_keep = _positive_int("max_to_keep", max_to_keep, allow_none=True)
         self._interval = _positive_int("save_interval_steps", save_interval_steps)
-        self._directory = epath.Path(os.fspath(directory)).absolute()
+        self._directory = epath.Path(check_directory_arg(directory, "CheckpointManager")).absolute()
         _check_writable(self._directory)
+        self._barrier_prefix = f"distrain_ckpt{next(_instances)}"
         options = ocp.CheckpointManagerOptions(
             # Save exactly at multiples of the interval (orbax's default would also
             # save the first step it sees). `save` decides before calling orbax (cheaper
@@ -126,6 +190,13 @@ class CheckpointManager:
             enable_async_checkpointing=bool(async_save),
             cleanup_tmp_directories=True,  # leftovers of a process killed mid-save
             create=True,
+            # Orbax names its cross-process barriers after the operation and step only:
+            # two managers saving the same step at once (ModelCheckpoint and
+            # BackupAndRestore) would wait at the same barrier and fail with "Barrier ...
+            # is already ongoing". A prefix per manager keeps them apart.
+            multiprocessing_options=ocp.options.MultiprocessingOptions(
+                barrier_sync_key_prefix=self._barrier_prefix
+            ),
         )
         self._mgr = ocp.CheckpointManager(
             self._directory,
@@ -245,9 +316,10 @@ class CheckpointManager:
 
         Args:
           step: the step to restore; None for the newest. When the newest is damaged
-            (truncated or garbled files), a warning names its directory, the damaged
-            step is renamed to ``<step>.corrupt-<time>`` (kept for inspection, ignored
-            from then on) and the previous step is tried.
+            (truncated, garbled or missing files, an empty step directory), a warning
+            names its directory, the damaged step is renamed to
+            ``<step>.corrupt-<time>-<id>`` (set aside for inspection, ignored from then
+            on) and the previous step is tried.
           target: a pytree like the saved state giving structure, shapes, dtypes and
             placement: arrays (their sharding is used) or ``jax.ShapeDtypeStruct``s
             with shardings. The checkpoint can be restored onto a different number
@@ -256,36 +328,43 @@ class CheckpointManager:
             in nested dicts and lists.
 
         Returns:
-          A :class:`Restored`, or None if the directory holds no checkpoint.
+          A :class:`Restored`, or None if the directory holds no checkpoint (with a
+          warning if it holds other files: a wrong directory is not a fresh start).
 
         Raises:
           ValueError: if ``target`` does not match the checkpoint (names the first
-            mismatching leaf and both shapes), or if ``step`` does not exist.
-          CheckpointCorruptionError: if ``step`` was given and is damaged, or no
-            checkpoint in the directory could be read back intact.
+            mismatching leaf and both shapes, or a dtype the saved values cannot be
+            cast to without loss), if ``step`` does not exist, if the step is not a
+            distrain checkpoint, or if the processes of a multi-process job see
+            different checkpoints (the directory must be shared by all of them).
+          CheckpointCorruptionError: if ``step`` was given and is damaged (the message
+            names the step and its directory), or no checkpoint in the directory could
+            be read back intact.
+          Other errors (e.g. ``PermissionError``) propagate with the step's path in the
+            message; they leave the checkpoint in place.
         """
         self._check_open("restore")
         self._mgr.wait_until_finished()
+        steps = self._agreed_steps()
         if step is not None:
-            if step not in self._mgr.all_steps():
+            if step not in steps:
                 raise ValueError(
                     f"Expected `step` to be one of the checkpoints in {self._directory}: "
-                    f"{self.all_steps()}; received {step!r}."
+                    f"{steps}; received {step!r}."
                 )
             return self._restore_step(int(step), target)
         failures = []
-        for s in sorted(self._mgr.all_steps(), reverse=True):
+        for s in sorted(steps, reverse=True):
             try:
                 result = self._restore_step(s, target)
             except CheckpointCorruptionError as e:
                 failures.append(f"step {s}: {e}")
+                moved = self._quarantine(s)
                 warnings.warn(
-                    f"Checkpoint {self._directory / str(s)} is damaged ({e}); falling back "
-                    "to the previous checkpoint. The damaged step is kept as "
-                    f"'{s}.corrupt-<time>' for inspection.",
+                    f"{e}. Falling back to the previous checkpoint; the damaged step was "
+                    f"renamed to {moved!r} (set aside for inspection).",
                     stacklevel=2,
                 )
-                self._quarantine(s)
                 continue
             return result
         if failures:
@@ -294,48 +373,120 @@ class CheckpointManager:
                 + "; ".join(failures)
                 + ". Restore from a backup or start a new run in a new directory."
             )
+        self._warn_if_not_a_checkpoint_directory()
         return None
+
+    def _agreed_steps(self) -> list[int]:
+        """The committed steps, checked to be the same on every process.
+
+        Each process lists the directory itself; with node-local directories they
+        would pick different steps and wait for each other in orbax's restore forever.
+        """
+        self._mgr.reload()
+        steps = self.all_steps()
+        if jax.process_count() == 1:
+            return steps
+        from jax.experimental import multihost_utils
+
+        mine = np.asarray(
+            [steps[-1] if steps else -1, len(steps), sum(steps) % (2**31 - 1)], np.int64
+        )
+        views = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, 3)
+        if not (views == views[0]).all():
+            seen = "; ".join(
+                f"process {i} sees "
+                + (f"{int(n)} step(s), the newest {int(last)}" if n else "no checkpoint")
+                for i, (last, n, _) in enumerate(views)
+            )
+            raise ValueError(
+                f"The checkpoint directory {self._directory} must be shared by all "
+                f"processes (one file system, e.g. NFS or a bucket), but the processes see "
+                f"different checkpoints: {seen}. Put the checkpoints on storage every "
+                "process can read, or copy the newest step to every host before restarting."
+            )
+        return steps
+
+    def _warn_if_not_a_checkpoint_directory(self) -> None:
+        ours = (".distrain-write-test-",)
+        others = sorted(
+            p.name for p in self._directory.iterdir() if not p.name.startswith(ours)
+        )
+        if not others:
+            return
+        hint = ""
+        if {"state", "meta"} <= set(others):
+            hint = (
+                " It looks like one checkpoint step: pass its parent directory, "
+                f"{self._directory.parent}."
+            )
+        warnings.warn(
+            f"{self._directory} holds no checkpoint, but it is not empty: "
+            f"{', '.join(repr(n) for n in others[:5])}{' ...' if len(others) > 5 else ''}. "
+            "Restore returns None (nothing to resume from)." + hint,
+            stacklevel=3,
+        )
+
+    def _read_side_items(self, step: int, where: str) -> tuple[list[LeafInfo], Any, Any]:
+        """The manifest, data position and metadata of ``step`` (raises on damage)."""
+        if not (self._directory / str(step) / "meta").exists():
+            if _is_foreign(self._directory / str(step)):
+                raise _Foreign(
+                    f"Expected a checkpoint written by distrain.CheckpointManager in {where}, "
+                    "but it has no 'meta' item. Use orbax directly for other checkpoints."
+                )
+            raise CheckpointCorruptionError("its 'meta' item is missing")
+        side = self._mgr.restore(
+            step,
+            args=ocp.args.Composite(data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()),
+        )
+        meta = _layout.unseal(side["meta"], "meta")
+        data = _layout.unseal(side["data"], "data")
+        manifest = meta["manifest"]
+        if manifest.get("format") != _layout.FORMAT:
+            raise CheckpointCorruptionError(
+                f"expected manifest format {_layout.FORMAT!r}, found {manifest.get('format')!r}"
+            )
+        leaves = [LeafInfo.from_json(d) for d in manifest["leaves"]]
+        return leaves, _layout.from_json(data["data_state"]), _layout.from_json(meta["metadata"])
 
     def _restore_step(self, step: int, target: PyTree | None) -> Restored:
         where = f"{self._directory / str(step)}"
-        if not (self._directory / str(step) / "meta").exists():
-            raise ValueError(
-                f"Expected a checkpoint written by distrain.CheckpointManager in {where}, "
-                "but it has no 'meta' item. Use orbax directly for other checkpoints."
-            )
-        ok, err, result = True, "", None
+        # Every process reads, then all agree on the outcome before anyone goes on:
+        # a step damaged for one process is damaged for all.
+        code, error = _OK, None
         try:
-            side = self._mgr.restore(
-                step,
-                args=ocp.args.Composite(
-                    data=ocp.args.JsonRestore(),
-                    meta=ocp.args.JsonRestore(),
-                ),
-            )
-            meta = _layout.unseal(side["meta"], "meta")
-            data = _layout.unseal(side["data"], "data")
-            manifest = meta["manifest"]
-            if manifest.get("format") != _layout.FORMAT:
-                raise CheckpointCorruptionError(
-                    f"expected manifest format {_layout.FORMAT!r}, found {manifest.get('format')!r}"
-                )
-            leaves = [LeafInfo.from_json(d) for d in manifest["leaves"]]
-            data_state = _layout.from_json(data["data_state"])
-            metadata = _layout.from_json(meta["metadata"])
-        except Exception as e:  # noqa: BLE001 - any failure to read the JSON items
-            ok, err = False, _describe(e)
-        if _agree(ok):
+            leaves, data_state, metadata = self._read_side_items(step, where)
+        except Exception as e:  # noqa: BLE001 - classified below, re-raised on every process
+            code, error = (_DAMAGED if _is_damage(e) else _FAILED), e
+        code = _worst(code)
+        if code == _OK:
             if target is not None:
                 _layout.check_compatible(leaves, target, where)
             try:
                 state = self._restore_state(step, leaves, target)
-            except CheckpointCorruptionError as e:
-                ok, err = False, str(e)
-            else:
-                result = Restored(step, state, data_state, metadata)
-        if not _agree(ok) or result is None:
-            raise CheckpointCorruptionError(err or "damaged on another process")
-        return result
+            except Exception as e:  # noqa: BLE001 - classified, re-raised on every process
+                code, error = (_DAMAGED if _is_damage(e) else _FAILED), e
+            code = _worst(code)
+            if code == _OK:
+                return Restored(step, state, data_state, metadata)
+        if isinstance(error, _Foreign):
+            raise ValueError(str(error)) from None
+        if isinstance(error, _TargetError):  # the target cannot hold it: the caller's error
+            raise error.error
+        if code == _FAILED:
+            if error is None or _is_damage(error):
+                raise RuntimeError(
+                    f"Could not restore checkpoint {where}: it failed on another process "
+                    "(see that process's error). The checkpoint was left in place."
+                )
+            raise _with_path(error, where) from error
+        reason = _describe(error) if error is not None else "damaged on another process"
+        if isinstance(error, CheckpointCorruptionError):
+            reason = str(error)
+        raise CheckpointCorruptionError(
+            f"Checkpoint {where} is damaged: step {step} could not be read back intact "
+            f"({reason})"
+        ) from error
 
     def _restore_state(self, step: int, leaves: list[LeafInfo], target: PyTree | None) -> PyTree:
         try:
@@ -344,24 +495,31 @@ class CheckpointManager:
             raise
         except Exception as e:
             if target is None:
-                raise CheckpointCorruptionError(_describe(e)) from e
+                if _is_damage(e):
+                    raise CheckpointCorruptionError(_describe(e)) from e
+                raise
             # Was it the files or the target (e.g. a sharding on missing devices)?
             # Reading the same step to host memory tells them apart.
             try:
                 _restore.restore_state(self._mgr, step, leaves, None)
-            except Exception as e2:  # noqa: BLE001
-                raise CheckpointCorruptionError(_describe(e2)) from e2
-            raise
+            except Exception as e2:
+                if _is_damage(e2):
+                    raise CheckpointCorruptionError(_describe(e2)) from e2
+                raise
+            raise _TargetError(e) from e
 
-    def _quarantine(self, step: int) -> None:
+    def _quarantine(self, step: int) -> str:
+        """Renames a damaged step aside (process 0 does it); returns the new name."""
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        name = f"{step}.corrupt-{stamp}-{uuid.uuid4().hex[:6]}"
         if jax.process_index() == 0:
-            src = self._directory / str(step)
-            stamp = time.strftime("%Y%m%dT%H%M%S")
-            dst = self._directory / f"{step}.corrupt-{stamp}-{uuid.uuid4().hex[:6]}"
-            src.rename(dst)
+            (self._directory / str(step)).rename(self._directory / name)
+        else:
+            name = f"{step}.corrupt-<time>-<id>"  # chosen by process 0
         if jax.process_count() > 1:
-            ocp.multihost.sync_global_processes(f"distrain_quarantine_{step}")
+            ocp.multihost.sync_global_processes(f"{self._barrier_prefix}_quarantine_{step}")
         self._mgr.reload()
+        return name
 
     # ---------------------------------------------------------------- lifecycle
     def wait_until_finished(self) -> None:
@@ -413,6 +571,53 @@ def _state_handler() -> ocp.PyTreeCheckpointHandler:
     ]
     registry = ocp.type_handlers.create_type_handler_registry(*handlers)
     return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
+class _Foreign(Exception):
+    """A step directory written by something other than distrain (not damage)."""
+
+
+class _TargetError(Exception):
+    """Carries an error of the restore target (the files read back fine without it)."""
+
+    def __init__(self, error: Exception) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _is_foreign(step_dir: epath.Path) -> bool:
+    """Whether a step without a 'meta' item is another program's orbax checkpoint.
+
+    Orbax records the items of a step in ``_CHECKPOINT_METADATA``. A distrain step
+    lists 'meta' there; an empty directory, or one whose metadata is missing or
+    unreadable, is a damaged distrain step (and falls back), not a foreign one.
+    """
+    try:
+        recorded = json.loads((step_dir / "_CHECKPOINT_METADATA").read_text())
+        items = recorded.get("item_handlers")
+    except (OSError, ValueError, AttributeError):
+        return False
+    return isinstance(items, dict) and bool(items) and "meta" not in items
+
+
+def check_directory_arg(directory: Any, who: str) -> str:
+    """``directory`` as a str path; ValueError for an empty or non-path argument."""
+    try:
+        path = os.fspath(directory)
+    except TypeError:
+        raise TypeError(
+            f"{who}: expected the checkpoint directory as a str or os.PathLike; received "
+            f"{type(directory).__name__} {directory!r:.100}."
+        ) from None
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not path.strip():
+        raise ValueError(
+            f"{who}: expected a checkpoint directory; received the empty path {path!r}, "
+            "which would write checkpoints into the current directory. Pass a directory "
+            "for this run, e.g. '/ckpt/run-42' (or './ckpt' for the current directory)."
+        )
+    return path
 
 
 def _describe(e: BaseException, limit: int = 300) -> str:
