@@ -50,6 +50,7 @@ from distrain.strategy.multi_worker import (
 from distrain.strategy.one_device import OneDeviceStrategy as OneDeviceStrategy
 from distrain.train import callbacks as callbacks
 from distrain.train import metrics as metrics
+from distrain.train.accumulation import accumulate_gradients as accumulate_gradients
 from distrain.train.history import History as History
 from distrain.train.state import TrainState as TrainState
 from distrain.train.trainer import DataEndedError as DataEndedError
@@ -87,6 +88,7 @@ __all__ = [
     "TFConfigClusterResolver",
     "TrainState",
     "Trainer",
+    "accumulate_gradients",
     "callbacks",
     "checkpoint",
     "compute_average_loss",

@@ -59,6 +59,7 @@ class _State(threading.local):
     def __init__(self) -> None:
         self.strategies: list[Strategy] = []
         self.replica: ReplicaContext | None = None
+        self.accumulation: Any = None  # train/accumulation.py's record of a micro-step
 
 
 _state = _State()
@@ -193,3 +194,23 @@ def require_cross_replica(strategy: Strategy, method: str) -> None:
             "called inside `strategy.run`. Use `dt.get_replica_context()` (all_reduce, "
             "all_gather) inside the replica function, or call it outside `run`."
         )
+
+
+def get_accumulation() -> Any:
+    """The gradient-accumulation record of the micro-step being traced, or ``None``.
+
+    ``compute_average_loss`` reads it to divide by the whole update's batch, and
+    ``TrainState.apply_gradients`` to record gradients instead of applying them
+    (``distrain/train/accumulation.py``).
+    """
+    return _state.accumulation
+
+
+@contextmanager
+def _enter_accumulation(record: Any) -> Iterator[Any]:
+    previous = _state.accumulation
+    _state.accumulation = record
+    try:
+        yield record
+    finally:
+        _state.accumulation = previous

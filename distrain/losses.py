@@ -132,16 +132,24 @@ def compute_average_loss(
     if sample_weight is not None:
         w = _numeric(sample_weight, "sample_weight")
         loss = loss * _align(w, loss.shape, "sample_weight").astype(dtype)
+    # Under gradient accumulation the divisor is the whole update's batch: k
+    # micro-batches summed equal one step on a k-times larger batch.
+    accumulation = context.get_accumulation()
     if mask is not None:
         m = _align(_numeric(mask, "mask"), loss.shape, "mask").astype(dtype)
         loss = loss * m
         if global_batch_size is None:
             # Count real examples: a [batch]-shaped mask counts each example once even
             # when the losses are [batch, T].
-            count = ctx.all_reduce("sum", jnp.sum(m))
-            return jnp.sum(loss) / jnp.maximum(count, 1)
+            if accumulation is not None:
+                count = accumulation.mask_total("compute_average_loss(..., mask=...)")
+            else:
+                count = ctx.all_reduce("sum", jnp.sum(m))
+            return jnp.sum(loss) / jnp.maximum(count, 1).astype(dtype)
     if global_batch_size is None:
         global_batch_size = loss.shape[0] * ctx.num_replicas_in_sync
+        if accumulation is not None:
+            global_batch_size *= accumulation.steps
     return jnp.sum(loss) / jnp.asarray(global_batch_size, dtype)
 
 

@@ -117,11 +117,15 @@ def test_checkpoints_move_between_layouts_and_device_counts(tmp_path, devices, s
             np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
-def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
+@pytest.mark.parametrize(
+    "extra", [[], ["--accum", "2", "--policy", "mixed_bfloat16"]], ids=["plain", "accum_bf16"]
+)
+def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, extra):
     ref = tmp_path / "ref"
     ref.mkdir()
     [(code, log, _)] = run_together(
-        [([sys.executable, SCRIPT, "--out", str(ref), "--shard-state", "0"], clean_env(8))], 120
+        [([sys.executable, SCRIPT, "--out", str(ref), "--shard-state", "0", *extra], clean_env(8))],
+        120,
     )
     assert code == 0, log
     port = free_port()
@@ -134,7 +138,7 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path):
             DISTRAIN_PROCESS_ID=str(i),
             DISTRAIN_TIMEOUT_SECONDS="30",
         )
-        jobs.append(([sys.executable, SCRIPT, "--out", str(tmp_path)], env))
+        jobs.append(([sys.executable, SCRIPT, "--out", str(tmp_path), *extra], env))
     for code, log, _ in run_together(jobs, 120):
         assert code == 0, log
     with np.load(ref / "result_0.npz") as f:

@@ -127,6 +127,10 @@ class TrainState:
                 f"{jax.tree.structure(self.params)}\nTake the gradient with respect to "
                 "state.params, e.g. `jax.grad(loss_fn)(state.params, batch)`."
             )
+        accumulation = context.get_accumulation()
+        if accumulation is not None:  # a micro-step: record, apply once at the end
+            accumulation.record(grads, changes)
+            return self.replace(**changes)
         if self.policy is not None:
             grads = self.policy.cast_to_param(grads)  # the all-reduce runs in float32
         ctx = context.get_replica_context()

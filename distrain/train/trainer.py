@@ -34,6 +34,7 @@ from distrain.context import get_strategy
 from distrain.strategy.base import Strategy
 from distrain.train import _functions as F
 from distrain.train import _inference
+from distrain.train.accumulation import accumulate_gradients
 from distrain.train.callbacks.base import Callback, CallbackList, StepInfo
 from distrain.train.callbacks.control import TerminateOnNaN
 from distrain.train.history import History
@@ -123,6 +124,9 @@ class Trainer:
       log_every: steps between host syncs that read the metrics (progress bar,
         TensorBoard, ``TerminateOnNaN``); epochs always end with one.
       mask_key: batch key of the padding mask (``predict`` drops padded rows with it).
+      grad_accum_steps: split each batch into this many micro-batches and apply their
+        summed gradients once (``dt.accumulate_gradients``): the same update as one step
+        on the whole batch, with the activations of one micro-batch in memory at a time.
       donate_state: let XLA update the state in place (``donate_argnums``), saving a
         copy of it per step. ``fit`` copies the state you pass in once, so your arrays
         stay valid; a callback that keeps ``trainer.state`` for later must keep
@@ -152,6 +156,7 @@ class Trainer:
         log_every: int = 100,
         mask_key: str | None = "mask",
         donate_state: bool = True,
+        grad_accum_steps: int = 1,
     ) -> None:
         self.strategy: Strategy = strategy if strategy is not None else get_strategy()
         _check_strategy(self.strategy)
@@ -163,6 +168,13 @@ class Trainer:
             if fn is not None and not callable(fn):
                 raise TypeError(f"`{name}` must be a function. Received: {fn!r}.")
         self.train_step = train_step
+        self.grad_accum_steps = _positive_int("grad_accum_steps", grad_accum_steps)
+        # One optimizer update per batch, over grad_accum_steps micro-batches of it.
+        self._step_fn = (
+            accumulate_gradients(train_step, self.grad_accum_steps, mask_key=mask_key)
+            if train_step is not None
+            else None
+        )
         self.eval_step = eval_step
         self.predict_step = predict_step
         self.callbacks = list(callbacks)
@@ -439,7 +451,7 @@ class Trainer:
     def _dispatch(self, batches: list[Any]) -> None:
         if self._acc is None:
             shapes = F.trace_shapes(
-                self.strategy, F.make_metrics_fn(self.train_step), (self.state, batches[0])
+                self.strategy, F.make_metrics_fn(self._step_fn), (self.state, batches[0])
             )
             self._layout = F.Layout(shapes)
             self._zero_acc = F.per_replica_zeros(self.strategy, self._layout.size)
@@ -448,7 +460,7 @@ class Trainer:
         groups = [batches] if len(batches) == k else [[b] for b in batches]
         first = self.global_step == self.initial_step
         for group in groups:
-            fn = F.make_train_fn(self.train_step, len(group))
+            fn = F.make_train_fn(self._step_fn, len(group))
             self.state, self._acc = self.strategy.run(
                 fn, args=(self.state, self._acc, *group), donate_argnums=self._donate
             )

@@ -1,5 +1,9 @@
 """mw_train.py's run with ``shard_state=True``: 2 processes x 4 devices vs 1 x 8.
 
+``--accum K`` accumulates gradients over K micro-batches; ``--policy`` sets a
+mixed-precision policy: the same comparison then covers those under
+MultiWorkerMirroredStrategy.
+
 Writes the per-step losses, the final parameters and the per-device state bytes to
 --out/result_<process id>.npz. Used by tests/test_sharded_state.py.
 """
@@ -14,7 +18,24 @@ from jax.experimental import multihost_utils
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from mw_train import global_batch, initial_state, make_train_step  # noqa: E402
+import optax  # noqa: E402
+from mw_train import global_batch, initial_state  # noqa: E402
+
+
+def make_train_step(batch: int):
+    """mw_train's step, taking gradients through the state's mixed-precision policy."""
+
+    def loss_fn(p, b):
+        h = jax.nn.relu(b["x"] @ p["w1"] + p["b1"])
+        logits = (h @ p["w2"] + p["b2"]).astype(np.float32)
+        per_example = optax.softmax_cross_entropy_with_integer_labels(logits, b["y"])
+        return dt.compute_average_loss(per_example, global_batch_size=batch)
+
+    def train_step(state, b):
+        loss, grads = state.value_and_grad(loss_fn)(state.params, b)
+        return state.apply_gradients(grads=grads), loss
+
+    return train_step
 
 import distrain as dt  # noqa: E402
 
@@ -23,16 +44,22 @@ def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--shard-state", type=int, default=1)
+    parser.add_argument("--accum", type=int, default=1)
+    parser.add_argument("--policy", default=None)
     args = parser.parse_args()
     strategy = dt.MultiWorkerMirroredStrategy(shard_state=bool(args.shard_state), min_shard_bytes=0)
     batch, steps = 16, 4
-    state = strategy.put_replicated(initial_state())
-    step = make_train_step(batch)
+    state = initial_state()
+    if args.policy:
+        state = dt.TrainState.create(params=state.params, tx=state.tx, policy=args.policy)
+    state = strategy.put_replicated(state)
+    step = dt.accumulate_gradients(make_train_step(batch), args.accum)
     losses = []
     data = strategy.experimental_distribute_dataset(global_batch(i, batch) for i in range(steps))
     for dist_batch in data:
         state, loss = strategy.run(step, args=(state, dist_batch))
-        losses.append(float(strategy.reduce("sum", loss)))
+        total = strategy.reduce("sum", loss)  # a Mean under accumulation
+        losses.append(float(total.compute() if hasattr(total, "compute") else total))
     report = strategy.memory_report(state)
     params = {
         k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
