@@ -17,6 +17,8 @@ from distrain.train.callbacks.logging import CSVLogger as CSVLogger
 from distrain.train.callbacks.logging import JSONLinesLogger as JSONLinesLogger
 from distrain.train.callbacks.logging import ProgressBar as ProgressBar
 from distrain.train.callbacks.logging import TensorBoard as TensorBoard
+from distrain.train.callbacks.throughput import ProfilerWindow as ProfilerWindow
+from distrain.train.callbacks.throughput import Throughput as Throughput
 
 __all__ = [
     "BackupAndRestore",
@@ -27,8 +29,10 @@ __all__ = [
     "JSONLinesLogger",
     "LambdaCallback",
     "ModelCheckpoint",
+    "ProfilerWindow",
     "ProgressBar",
     "StepInfo",
     "TensorBoard",
     "TerminateOnNaN",
+    "Throughput",
 ]
