@@ -78,7 +78,7 @@ def test_batch_not_divisible_by_replicas_is_one_line(tmp_path):
     )
     line = _one_error_line(err)
     assert rc == 2
-    assert "data.global_batch_size (60)" in line and "8 replicas" in line
+    assert "data.global_batch_size (60)" in line and "number of replicas (8)" in line
     assert "56 or 64" in line
 
 

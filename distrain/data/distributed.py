@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -40,7 +40,8 @@ class InputOptions:
 
     Attributes:
       drop_remainder: drop a final batch smaller than the first one.
-      mask_key: for dict batches: pad a final partial batch to the full size and add
+      mask_key: for dict batches: pad a final partial batch to the first batch's size
+        (so no batch may be larger than the first) and add
         ``batch[mask_key]`` (1.0 real row, 0.0 padding) to *every* batch, so the
         structure never changes; use it with ``dt.compute_average_loss(..., mask=...)``.
       prefetch: batches copied to the devices ahead of use (0: copy on demand).
@@ -91,29 +92,107 @@ def input_context(strategy: Strategy) -> InputContext:
     return InputContext(jax.process_count(), jax.process_index(), strategy.num_replicas_in_sync)
 
 
+def _multiples(n: int, k: int) -> str:
+    """The multiples of ``k`` nearest ``n``, for error messages ("56 or 64")."""
+    lo = n // k * k
+    return f"{lo} or {lo + k}" if lo else f"{k}"
+
+
 def _per_replica(global_batch_size: int, num_replicas: int) -> int:
     if global_batch_size % num_replicas:
         raise ValueError(
             f"The global batch size ({global_batch_size}) must be divisible by the number of "
-            f"replicas ({num_replicas}). Use a global batch size that is a multiple of "
-            f"{num_replicas}, or pad the last batch with InputOptions(mask_key=...)."
+            f"replicas ({num_replicas}): each replica gets an equal share. Use a "
+            f"global batch size that is a multiple of {num_replicas} "
+            f"(e.g. {_multiples(global_batch_size, num_replicas)})."
         )
     return global_batch_size // num_replicas
+
+
+def _paths(leaves: list[Any], treedef: Any) -> list[str]:
+    return [
+        jax.tree_util.keystr(p)
+        for p, _ in jax.tree_util.tree_leaves_with_path(treedef.unflatten(leaves))
+    ]
+
+
+def _shapes(leaves: list[Any], treedef: Any) -> dict[str, tuple[int, ...]]:
+    return {p: tuple(np.shape(x)) for p, x in zip(_paths(leaves, treedef), leaves, strict=True)}
+
+
+def _check_dtypes(leaves: list[Any], treedef: Any) -> None:
+    """Refuses leaves that cannot go to a device (strings, objects), naming the key."""
+    for i, x in enumerate(leaves):
+        if isinstance(x, jax.Array):
+            continue  # already on a device
+        dtype = np.asarray(x).dtype if getattr(x, "dtype", None) is None else np.dtype(x.dtype)
+        if not (jax.dtypes.issubdtype(dtype, np.number) or dtype == np.bool_):
+            path = _paths(leaves, treedef)[i] or "the batch"
+            raise TypeError(
+                f"Batch leaf {path} has dtype {dtype}; only numeric and bool arrays can be "
+                "placed on the devices. Drop that key from the batches, or encode it as "
+                "numbers (e.g. token or label ids) before batching."
+            )
 
 
 def _batch_size(leaves: list[Any], treedef: Any) -> int:
     sizes = {int(np.shape(x)[0]) if np.ndim(x) else None for x in leaves}
     if len(sizes) != 1 or None in sizes:
-        paths = [
-            jax.tree_util.keystr(p)
-            for p, _ in jax.tree_util.tree_leaves_with_path(treedef.unflatten(leaves))
-        ]
-        shapes = {p: tuple(np.shape(x)) for p, x in zip(paths, leaves, strict=True)}
+        shapes = _shapes(leaves, treedef)
         raise ValueError(
             "Every leaf of a batch must have the same leading (batch) dimension. "
             f"Received shapes: {shapes}."
         )
-    return sizes.pop()
+    size = sizes.pop()
+    if size == 0:
+        shapes = _shapes(leaves, treedef)
+        raise ValueError(
+            f"A batch has no rows (leading dimension 0; shapes {shapes}). Every batch needs at "
+            "least one example: skip empty batches in the source (or fix what yields them)."
+        )
+    return size
+
+
+def _whole_arrays_error(data: Any) -> str | None:
+    """Why ``data`` looks like whole arrays rather than an iterable of batches, or None.
+
+    Whole arrays are a dict of arrays, one array, or a Keras-style tuple ``(x, y)`` /
+    ``(x, y, sample_weight)`` of arrays with the same number of rows. Iterating them
+    would yield keys, rows or whole arrays as "batches".
+    """
+    fix = (
+        "wrap it as dt.data.ArrayPipeline({arg}, global_batch_size=B) to batch it (its "
+        "batches have the same structure{what}): the Trainer and "
+        "experimental_distribute_dataset take an iterable of batches, not whole arrays."
+    )
+
+    def rows(x: Any) -> int | None:
+        shape = getattr(x, "shape", None)
+        return int(shape[0]) if shape is not None and len(shape) >= 1 else None
+
+    if isinstance(data, Mapping):
+        leaves = list(data.values())
+        if leaves and all(rows(v) is not None for v in leaves):
+            n = {rows(v) for v in leaves}
+            size = f"{n.pop()} rows" if len(n) == 1 else "rows " + str(sorted(n))
+            arg = "{" + ", ".join(f"{k!r}: ..." for k in data) + "}"
+            return "Received a dict of arrays: " + fix.format(arg=arg, what=": dicts") + (
+                f" Received {size}, keys {list(data)}."
+            )
+        return None
+    if rows(data) is not None and not isinstance(data, list | tuple):
+        return f"Received an array of {rows(data)} rows: " + fix.format(arg="x", what="")
+    if isinstance(data, tuple) and 1 < len(data) <= 3:
+        n = {rows(v) for v in data}
+        if len(n) == 1 and None not in n:
+            return (
+                f"Received a tuple of {len(data)} whole arrays of {n.pop()} rows, read as "
+                "Keras's (x, y) (or (x, y, sample_weight)): "
+                + fix.format(arg="(x, y)", what=": (x_batch, y_batch) tuples, passed to your "
+                             "step as a tuple")
+                + " If these are batches, pass them in a list."
+            )
+    return None
 
 
 def shard_global_batch(strategy: Strategy, batch: Any) -> PerReplica:
@@ -137,8 +216,13 @@ def shard_local_batch(strategy: Strategy, batch: Any) -> PerReplica:
     """Assembles the global batch from this process's rows."""
     leaves, treedef = jax.tree.flatten(batch)
     local = _batch_size(leaves, treedef)
-    n_local = sum(d.process_index == jax.process_index() for d in strategy.devices)
-    _per_replica(local, n_local)
+    n_local = _local_replicas(strategy)
+    if local % n_local:
+        raise ValueError(
+            f"This process's batch ({local} rows) must be divisible by its {n_local} local "
+            f"replicas: each gets an equal share. Use e.g. {_multiples(local, n_local)} rows "
+            "per process."
+        )
     if jax.process_count() == 1:
         arrays = jax.device_put(leaves, strategy._split)
     else:
@@ -146,6 +230,10 @@ def shard_local_batch(strategy: Strategy, batch: Any) -> PerReplica:
             jax.make_array_from_process_local_data(strategy._split, np.asarray(x)) for x in leaves
         ]
     return PerReplica(treedef.unflatten(arrays), strategy.num_replicas_in_sync)
+
+
+def _local_replicas(strategy: Strategy) -> int:
+    return sum(d.process_index == jax.process_index() for d in strategy.devices)
 
 
 class DistributedDataset:
@@ -164,6 +252,9 @@ class DistributedDataset:
                 "Expected an iterable of batches (NumPy/JAX pytrees, a grain dataset or loader, "
                 f"or an ArrayPipeline). Received: {type(dataset).__name__}."
             )
+        whole = _whole_arrays_error(dataset)
+        if whole is not None:
+            raise TypeError(whole)
         if options is not None and not isinstance(options, InputOptions):
             raise TypeError(f"`options` must be a dt.InputOptions. Received: {options!r}.")
         self._strategy = strategy
@@ -257,22 +348,60 @@ class DistributedIterator:
         """Validates one batch; pads/masks or drops a partial one. None means skip."""
         opts = self._ds._options
         leaves, treedef = jax.tree.flatten(batch)
+        _check_dtypes(leaves, treedef)
         size = _batch_size(leaves, treedef)
         if self._full_size is None:
             self._full_size = size
-        partial = size < self._full_size
+        full = self._full_size
+        partial = size < full
         if partial and opts.drop_remainder:
             return None
-        if opts.mask_key is None:
-            return batch
-        if not isinstance(batch, dict):
-            raise TypeError(
-                "InputOptions(mask_key=...) needs dict batches so the mask can be added. "
-                f"Received a {type(batch).__name__}."
+        if opts.mask_key is not None:
+            if not isinstance(batch, dict):
+                raise TypeError(
+                    "InputOptions(mask_key=...) needs dict batches so the mask can be added. "
+                    f"Received a {type(batch).__name__}."
+                )
+            if size > full:
+                raise ValueError(
+                    f"A batch has {size} rows, more than the first batch ({full}). With "
+                    "InputOptions(mask_key=...) every batch is padded to the first batch's "
+                    "size, so the first batch must be the largest: yield batches of one size "
+                    "(only the last one smaller), or drop mask_key."
+                )
+            if partial:
+                return self._pad(batch, size, full)  # padded to `full`: divisible
+        self._check_divisible(batch, size, full)
+        if opts.mask_key is not None and opts.mask_key not in batch:
+            return self._pad(batch, size, full)  # adds the all-ones mask
+        return batch
+
+    def _check_divisible(self, batch: Any, size: int, full: int) -> None:
+        local, strategy = self._ds._process_local, self._ds._strategy
+        n = _local_replicas(strategy) if local else strategy.num_replicas_in_sync
+        if size % n == 0:
+            return
+        what = "this process's batch size" if local else "global batch size"
+        if size < full:
+            fixes = "InputOptions(drop_remainder=True) to drop it"
+            if isinstance(batch, dict):
+                fixes += (
+                    f", or InputOptions(mask_key='mask') to pad it to {full} rows with a mask "
+                    "for dt.compute_average_loss(..., mask=batch['mask'])"
+                )
+            raise ValueError(
+                f"The last {what} ({size}) is smaller than the first ({full}) and not divisible "
+                f"by the number of replicas ({n}). Pass {fixes}."
             )
-        if opts.mask_key in batch and not partial:
-            return batch
-        pad = self._full_size - size
+        raise ValueError(
+            f"The {what} ({size}) must be divisible by the number of replicas ({n}): "
+            f"each replica gets an equal share. Use a batch size that is a multiple of {n} "
+            f"(e.g. {_multiples(size, n)})."
+        )
+
+    def _pad(self, batch: dict[str, Any], size: int, full: int) -> dict[str, Any]:
+        key = self._ds._options.mask_key
+        pad = full - size
         out = {
             k: np.concatenate(
                 [np.asarray(v), np.zeros((pad, *np.shape(v)[1:]), np.asarray(v).dtype)]
@@ -280,10 +409,10 @@ class DistributedIterator:
             if pad
             else v
             for k, v in batch.items()
-            if k != opts.mask_key
+            if k != key
         }
-        mask = np.asarray(batch.get(opts.mask_key, np.ones(size, np.float32)), np.float32)
-        out[opts.mask_key] = np.concatenate([mask, np.zeros(pad, np.float32)])
+        mask = np.asarray(batch.get(key, np.ones(size, np.float32)), np.float32)
+        out[key] = np.concatenate([mask, np.zeros(pad, np.float32)])
         return out
 
     def _place(self, batch: Any) -> PerReplica:

@@ -21,16 +21,20 @@ def distribute(strategy: Any, data: Iterable[Any]) -> Iterable[Any]:
     """``data`` as per-replica batches of ``strategy`` (distributed unless it already is).
 
     Raises:
-      TypeError: for a dict of arrays or an array (not batches).
+      TypeError: for whole arrays (a dict of arrays, an array, a Keras-style ``(x, y)``
+        tuple of arrays) instead of batches: the message says how to batch them.
       ValueError: if ``data`` was distributed with another strategy.
     """
-    from distrain.data.distributed import DistributedDataset
+    from distrain.data.distributed import DistributedDataset, _whole_arrays_error
 
-    if isinstance(data, Mapping) or hasattr(data, "shape"):
+    whole = _whole_arrays_error(data)
+    if whole is not None:
+        raise TypeError(whole)
+    if isinstance(data, Mapping):
         raise TypeError(
             "Expected an iterable of batches (e.g. dt.data.ArrayPipeline, a list of batch "
-            f"dicts, a grain dataset). Received a {type(data).__name__} of arrays: wrap it as "
-            "dt.data.ArrayPipeline(arrays, global_batch_size=...)."
+            f"dicts, a grain dataset). Received a dict with keys {list(data)[:8]}: batch its "
+            "arrays with dt.data.ArrayPipeline(arrays, global_batch_size=...)."
         )
     if isinstance(data, DistributedDataset):
         if data.strategy is not strategy:

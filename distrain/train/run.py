@@ -133,7 +133,7 @@ def _check_divisible(field: str, batch: int, num_replicas: int) -> None:
         use = f"{lo} or {hi}" if lo else f"{hi}"
         raise ConfigError(
             f"Config field {field!r}: {field} ({batch}) must be divisible by the number of "
-            f"replicas ({num_replicas} replicas): every replica gets an equal share of each "
+            f"replicas ({num_replicas}): every replica gets an equal share of each "
             f"batch. Use {use} (a multiple of {num_replicas}), or choose the devices with "
             "strategy.devices=[...]."
         )
