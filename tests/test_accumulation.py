@@ -55,9 +55,16 @@ def assert_same(a, b):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=2e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("shard_state", [False, True])
-def test_accumulated_steps_equal_one_step_on_the_whole_batch(shard_state):
-    strategy = dt.MirroredStrategy(shard_state=shard_state, min_shard_bytes=0)
+STRATEGIES = {
+    "mirrored": lambda: dt.MirroredStrategy(),
+    "sharded_state": lambda: dt.MirroredStrategy(shard_state=True, min_shard_bytes=0),
+    "central_storage": lambda: dt.experimental.CentralStorageStrategy(),
+}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_accumulated_steps_equal_one_step_on_the_whole_batch(name):
+    strategy = STRATEGIES[name]()
     batch = strategy.distribute_batch(data(64))
     one = strategy.put_replicated(new_state())
     acc = strategy.put_replicated(new_state())

@@ -40,7 +40,7 @@ def test_train_step_doc_runs(devices, capsys):
 
 
 @pytest.mark.parametrize(
-    "name", ["custom_training_loops.md", "migrating_from_tf.md", "strategies.md"]
+    "name", ["custom_training_loops.md", "migrating_from_tf.md", "strategies.md", "scaling.md"]
 )
 def test_other_docs_python_runs(name, devices):
     run_blocks(name)
