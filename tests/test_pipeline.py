@@ -86,9 +86,8 @@ def test_process_slices_concatenate_to_single_process_batch(procs):
 
 
 def test_resume_equals_uninterrupted_and_state_is_json():
-    pipe = _pipe(seed=1, num_epochs=3)
-    uninterrupted = _ids(iter(pipe))
-    it = iter(pipe)
+    uninterrupted = _ids(iter(_pipe(seed=1, num_epochs=3)))
+    it = iter(_pipe(seed=1, num_epochs=3))
     head = _ids(itertools.islice(it, 7))
     state = json.loads(json.dumps(it.get_state()))
     assert state["step"] == 7

@@ -6,7 +6,7 @@ process's rows over its devices and prefetching. The contract between them:
 ``process_local = True`` (each batch holds only this process's rows) and
 ``global_batch_size``.
 
-The position is a pure function of ``(seed, global step, global batch size)``:
+The position is a pure function of ``(seed, pass, global step, global batch size)``:
 
 * epoch ``e = step // steps_per_epoch``, batch ``k = step % steps_per_epoch``;
 * the global batch is rows ``perm_e[k*B:(k+1)*B]`` where ``perm_e`` is a
@@ -15,8 +15,20 @@ The position is a pure function of ``(seed, global step, global batch size)``:
   ``reshuffle_each_epoch=False``);
 * process ``p`` of ``P`` gets the contiguous slice ``p`` (``B // P`` rows) of it.
 
-So an iterator's state is just ``{"step": n}`` (plus checks), and a checkpoint
-written on 4 processes restores on 1 or 8: every process recomputes its slice.
+A *pass* is one ``iter(pipeline)``. With ``num_epochs=E``, iterating the pipeline
+again (the TF idiom ``for epoch in ...: for batch in dataset``) starts the next pass,
+which reshuffles as ``tf.data``'s ``shuffle(reshuffle_each_iteration=True)`` does:
+pass ``q`` reads epochs ``q*E ... q*E + E - 1`` of the formula above, so the epoch
+numbering continues where the last pass ended (two passes of a 1-epoch pipeline are
+the two epochs of a 2-epoch one). With ``num_epochs=None`` the pipeline is one endless
+stream, and a new ``iter`` replays it from epoch 0. Passes are counted per pipeline
+object, so every process must iterate it the same number of times (as the same
+program does).
+
+So an iterator's state is just ``{"step": n, "pass": q}`` (plus checks), and a
+checkpoint written on 4 processes restores on 1 or 8: every process recomputes its
+slice. Restoring a pass also moves the pipeline's pass counter past it, so the passes
+after a resume are those of the original run.
 
 Under the hood the pipeline is a ``grain.MapDataset`` of batch positions:
 ``MapDataset.range(steps_per_epoch).repeat(num_epochs)`` mapped (with the global
@@ -67,8 +79,11 @@ class ArrayPipeline:
         divisible by ``process_count``.
       seed: non-negative int seeding every epoch's permutation.
       shuffle: ``False`` keeps the rows in order.
-      reshuffle_each_epoch: ``False`` reuses epoch 0's permutation every epoch.
-      num_epochs: number of passes; ``None`` repeats forever.
+      reshuffle_each_epoch: ``False`` reuses epoch 0's permutation every epoch (and
+        every pass).
+      num_epochs: epochs per ``iter``; ``None`` repeats forever. With a number, each
+        new ``iter`` continues the epoch numbering, so it reshuffles (as ``tf.data``
+        does when a dataset is iterated again); resume is still exact.
       drop_remainder: ``True`` drops the last ``N % B`` rows of every epoch
         (they differ per epoch when reshuffling). ``False`` keeps them in one
         last, partial global batch per epoch: with ``mask_key`` it is padded with
@@ -192,8 +207,9 @@ class ArrayPipeline:
                 )
         self.num_steps = None if self.num_epochs is None else self.steps_per_epoch * self.num_epochs
 
-        self._perm_cache: dict[int, np.ndarray] = {}
+        self._perm_cache: dict[tuple[int, ...], np.ndarray] = {}
         self._perm_lock = threading.Lock()
+        self._next_pass = 0  # the pass the next iter() starts
         # A grain MapDataset of batch positions: element k = batch index within the
         # epoch, index = global step. Random access is what makes resume O(1).
         self._dataset = (
@@ -248,24 +264,32 @@ class ArrayPipeline:
 
     # -- position ---------------------------------------------------------------------------
 
-    def permutation(self, epoch: int) -> np.ndarray:
-        """Returns ``perm_e``, the row order of ``epoch`` (cached for the last two epochs)."""
+    def _epoch_key(self, epoch: int, pass_index: int) -> tuple[int, ...]:
+        if not self.reshuffle_each_epoch:
+            return (0,)
+        if self.num_epochs is None:
+            return (epoch,)  # an endless stream: a new pass restarts it
+        return (pass_index * self.num_epochs + epoch,)
+
+    def permutation(self, epoch: int, pass_index: int = 0) -> np.ndarray:
+        """Returns ``perm_e``, the row order of ``epoch`` in pass ``pass_index`` (cached
+        for the last two)."""
         if not self.shuffle:
             return np.arange(self.num_examples)
-        key = epoch if self.reshuffle_each_epoch else 0
+        key = self._epoch_key(epoch, pass_index)
         with self._perm_lock:
             perm = self._perm_cache.get(key)
         if perm is None:
-            perm = np.random.default_rng([self.seed, key]).permutation(self.num_examples)
+            perm = np.random.default_rng([self.seed, *key]).permutation(self.num_examples)
             with self._perm_lock:
                 if len(self._perm_cache) >= 2:
-                    self._perm_cache.pop(min(self._perm_cache))
+                    self._perm_cache.pop(next(iter(self._perm_cache)))  # the oldest
                 self._perm_cache[key] = perm
         return perm
 
-    def _load(self, step: int, k: int) -> Any:
+    def _load(self, step: int, k: int, pass_index: int = 0) -> Any:
         epoch = step // self.steps_per_epoch
-        perm = self.permutation(epoch)
+        perm = self.permutation(epoch, pass_index)
         N, B, b = self.num_examples, self.global_batch_size, self.local_batch_size
         start = k * B
         rows_in_batch = min(B, N - start)
@@ -289,22 +313,26 @@ class ArrayPipeline:
             leaves.append(rows)
         return self._unflatten(leaves, real.astype(np.float32))
 
-    def batch(self, step: int) -> Any:
-        """Returns this process's part of global batch ``step`` (random access).
+    def batch(self, step: int, pass_index: int = 0) -> Any:
+        """Returns this process's part of global batch ``step`` of pass ``pass_index``
+        (random access).
 
         Raises:
           IndexError: ``step`` is negative or past the last step.
         """
         step = _check_int("step", step, minimum=0)
+        pass_index = _check_int("pass_index", pass_index, minimum=0)
         if self.num_steps is not None and step >= self.num_steps:
             raise IndexError(
                 f"step {step} is past the end: the pipeline has {self.num_steps} steps "
                 f"({self.num_epochs} epochs x {self.steps_per_epoch})."
             )
-        return self._dataset[step]
+        if pass_index == 0:
+            return self._dataset[step]
+        return self._load(step, step % self.steps_per_epoch, pass_index)
 
     def as_map_dataset(self) -> grain.MapDataset:
-        """The underlying ``grain.MapDataset`` whose element ``i`` is ``batch(i)``."""
+        """The underlying ``grain.MapDataset`` whose element ``i`` is ``batch(i)`` (pass 0)."""
         return self._dataset
 
     def state_fingerprint(self) -> dict[str, int]:
@@ -316,7 +344,15 @@ class ArrayPipeline:
         }
 
     def __iter__(self) -> ArrayPipelineIterator:
-        return ArrayPipelineIterator(self)
+        """Starts the next pass (a new shuffle, see the module docstring)."""
+        with self._perm_lock:
+            pass_index = self._next_pass
+            self._next_pass += 1
+        return ArrayPipelineIterator(self, pass_index=pass_index)
+
+    def _saw_pass(self, pass_index: int) -> None:
+        with self._perm_lock:
+            self._next_pass = max(self._next_pass, pass_index + 1)
 
     def __repr__(self) -> str:
         return (
@@ -329,9 +365,10 @@ class ArrayPipeline:
 class ArrayPipelineIterator(Iterator[Any]):
     """Iterator over an :class:`ArrayPipeline` with a JSON-serialisable state.
 
-    ``get_state()`` returns ``{"step", "seed", "global_batch_size", "num_examples"}``;
-    ``set_state`` needs only ``"step"`` and checks the others when present, so a
-    state saved under any process count restores under any other.
+    ``get_state()`` returns ``{"step", "pass", "seed", "global_batch_size",
+    "num_examples"}``; ``set_state`` needs only ``"step"`` (``"pass"`` defaults to 0)
+    and checks the others when present, so a state saved under any process count
+    restores under any other.
 
     Example::
 
@@ -339,9 +376,10 @@ class ArrayPipelineIterator(Iterator[Any]):
         it2 = iter(pipe); it2.set_state(saved)  # next(it2) == next(it)
     """
 
-    def __init__(self, pipeline: ArrayPipeline, step: int = 0) -> None:
+    def __init__(self, pipeline: ArrayPipeline, step: int = 0, pass_index: int = 0) -> None:
         self._pipeline = pipeline
         self._step = step
+        self._pass = pass_index
 
     @property
     def step(self) -> int:
@@ -355,18 +393,30 @@ class ArrayPipelineIterator(Iterator[Any]):
         num_steps = self._pipeline.num_steps
         if num_steps is not None and self._step >= num_steps:
             raise StopIteration
-        out = self._pipeline._dataset[self._step]
+        if self._pass == 0:
+            out = self._pipeline._dataset[self._step]
+        else:
+            out = self._pipeline._load(
+                self._step, self._step % self._pipeline.steps_per_epoch, self._pass
+            )
         self._step += 1
         return out
 
+    @property
+    def pass_index(self) -> int:
+        """Which pass over the pipeline this iterator reads (0 for the first ``iter``)."""
+        return self._pass
+
     def get_state(self) -> dict[str, int]:
-        return {"step": self._step, **self._pipeline.state_fingerprint()}
+        return {"step": self._step, "pass": self._pass, **self._pipeline.state_fingerprint()}
 
     def set_state(self, state: Mapping[str, Any]) -> None:
-        """Moves to ``state["step"]``; raises ValueError if the state is for another pipeline."""
+        """Moves to ``state["step"]`` of pass ``state["pass"]``; raises ValueError if the
+        state is for another pipeline."""
         if not isinstance(state, Mapping) or "step" not in state:
             raise ValueError(f"state must be a dict with a 'step' key; received {state!r}.")
         step = _check_int("state['step']", state["step"], minimum=0)
+        pass_index = _check_int("state['pass']", state.get("pass", 0), minimum=0)
         for key, ours in self._pipeline.state_fingerprint().items():
             if key in state and int(state[key]) != ours:
                 raise ValueError(
@@ -375,3 +425,5 @@ class ArrayPipelineIterator(Iterator[Any]):
                     "settings."
                 )
         self._step = step
+        self._pass = pass_index
+        self._pipeline._saw_pass(pass_index)
