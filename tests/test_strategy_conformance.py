@@ -1,4 +1,11 @@
-"""One suite, every strategy: N training steps match one device; state keeps its structure."""
+"""One suite, every strategy x every property (optax's common-test shape).
+
+Properties: N training steps match plain JAX on one device; the state keeps its
+structure and lands where the strategy keeps state; donation frees the old state;
+the Trainer (with steps_per_execution) trains the same; reduce / gather / local results
+agree with the data; one compilation serves N calls; a checkpoint round-trips.
+The parameter-server strategy has its own property suite (tests/test_ps.py).
+"""
 
 import jax
 import jax.numpy as jnp
@@ -9,6 +16,7 @@ import pytest
 import distrain as dt
 
 STRATEGIES = {
+    "default": lambda: dt.get_strategy(),
     "one_device": lambda: dt.OneDeviceStrategy("cpu:0"),
     "mirrored_1": lambda: dt.MirroredStrategy(["cpu:0"]),
     "mirrored_2": lambda: dt.MirroredStrategy(["cpu:0", "cpu:1"]),
@@ -121,3 +129,97 @@ def test_central_storage_keeps_state_on_parameter_device(devices):
     state, _ = strategy.run(train_step, args=(state, batch))
     assert state.params["out"]["w"].devices() == {devices[3]}
     assert strategy.num_replicas_in_sync == 8
+
+
+# ------------------------------------------------------------------ properties
+STRATEGY_NAMES = list(STRATEGIES)
+
+
+def _placed_like_state(strategy, tree):
+    for x in jax.tree.leaves(tree):
+        want = strategy.state_sharding(x.shape)
+        assert x.sharding.is_equivalent_to(want, x.ndim), (x.sharding, want)
+
+
+@pytest.mark.parametrize("name", STRATEGY_NAMES)
+def test_state_is_placed_where_the_strategy_keeps_it(name, devices):
+    strategy = STRATEGIES[name]()
+    state = strategy.put_replicated(_init_state())
+    _placed_like_state(strategy, state)
+    batch = strategy.distribute_batch(_data(1)[0])
+    state, loss = strategy.run(train_step, args=(state, batch))
+    assert jax.tree.structure(state) == jax.tree.structure(_init_state())
+    _placed_like_state(strategy, state)  # results come back where state lives
+    assert isinstance(loss, dt.PerReplica) or strategy.num_replicas_in_sync == 1
+
+
+@pytest.mark.parametrize("name", STRATEGY_NAMES)
+def test_donation_frees_the_previous_state(name, devices):
+    strategy = STRATEGIES[name]()
+    state = strategy.put_replicated(jax.tree.map(jnp.copy, _init_state()))
+    batch = strategy.distribute_batch(_data(1)[0])
+    new, _ = strategy.run(train_step, args=(state, batch), donate_argnums=(0,))
+    jax.block_until_ready(new)
+    if isinstance(strategy, dt.experimental.CentralStorageStrategy):
+        return  # its state is copied to the compute devices: nothing to donate
+    assert all(x.is_deleted() for x in jax.tree.leaves(state.params))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(new.params))
+
+
+@pytest.mark.parametrize("name", STRATEGY_NAMES)
+def test_trainer_with_steps_per_execution_matches_one_device(name, devices):
+    strategy = STRATEGIES[name]()
+    steps = 4
+    ref_state, _ = _reference(steps)
+    trainer = dt.Trainer(strategy, lambda s, b: (train_step(s, b)[0], {}), steps_per_execution=2)
+    state, _ = trainer.fit(_init_state(), _data(steps), steps=steps)
+    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params),
+                         strict=True):
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("name", STRATEGY_NAMES)
+def test_reduce_gather_and_local_results(name, devices):
+    strategy = STRATEGIES[name]()
+    n = strategy.num_replicas_in_sync
+    x = np.arange(2 * n * 3, dtype=np.float32).reshape(2 * n, 3)
+    batch = strategy.distribute_batch({"x": x})
+    np.testing.assert_array_equal(strategy.gather(batch)["x"], x)
+    np.testing.assert_allclose(strategy.reduce("sum", batch, axis=0)["x"], x.sum(0))
+    np.testing.assert_allclose(strategy.reduce("mean", batch, axis=0)["x"], x.mean(0))
+    local = strategy.experimental_local_results(batch)
+    assert len(local) == n
+    np.testing.assert_array_equal(np.concatenate([r["x"] for r in local]), x)
+    one = strategy.run(lambda: jnp.float32(1.0))
+    assert float(strategy.reduce("sum", one)) == n  # a mirrored value counts every replica
+
+
+@pytest.mark.parametrize("name", STRATEGY_NAMES)
+def test_one_compilation_serves_many_calls(name, devices):
+    strategy = STRATEGIES[name]()
+    state = strategy.put_replicated(_init_state())
+    batches = list(strategy.experimental_distribute_dataset(_data(5)))
+    state, _ = strategy.run(train_step, args=(state, batches[0]))
+    after_first = strategy._compiler.num_programs
+    for batch in batches[1:]:
+        state, _ = strategy.run(train_step, args=(state, batch))
+    assert after_first >= 1 and strategy._compiler.num_programs == after_first
+
+
+@pytest.mark.parametrize("name", STRATEGY_NAMES)
+def test_checkpoint_round_trip(name, devices, tmp_path):
+    strategy = STRATEGIES[name]()
+    state = strategy.put_replicated(_init_state())
+    batch = strategy.distribute_batch(_data(1)[0])
+    state, _ = strategy.run(train_step, args=(state, batch))
+    manager = dt.CheckpointManager(tmp_path / "ckpt", async_save=False)
+    manager.save(1, state)
+    manager.close()
+    target = strategy.put_replicated(_init_state())
+    restored = dt.CheckpointManager(tmp_path / "ckpt").restore(target=target).state
+    for got, want in zip(jax.tree.leaves(restored), jax.tree.leaves(state), strict=True):
+        assert got.sharding == want.sharding or got.sharding.is_equivalent_to(
+            want.sharding, got.ndim
+        )
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
