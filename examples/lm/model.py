@@ -1,0 +1,257 @@
+"""A decoder-only transformer in flax NNX, from ~1M parameters to GPT-2 small.
+
+Pre-norm blocks (``x + attn(norm(x))``, ``x + mlp(norm(x))``), causal self-attention
+through ``jax.nn.dot_product_attention(..., implementation=None)`` (XLA on CPU; on a
+GPU with bf16 inputs JAX picks the cuDNN fused "flash" kernel), rotary or learned
+positions, a GELU MLP and an output head tied to the token embedding (as GPT-2).
+
+Parameters are float32; ``dtype="bfloat16"`` runs the matmuls and attention in bf16
+(mixed precision) and computes the logits and the loss in float32.
+
+The model crosses the step boundary as ``(graphdef, params)``: ``nnx.split`` once, a
+pure dict of arrays in the ``dt.TrainState``, ``nnx.merge`` inside the step
+(:func:`apply_fn`), so the state is an ordinary pytree that checkpoints and shards.
+
+Example:
+  >>> cfg = LMConfig(d_model=128, n_layers=4, n_heads=4, seq_len=128)
+  >>> model = Transformer(cfg, rngs=nnx.Rngs(0))
+  >>> logits = model(jnp.zeros((2, 128), jnp.int32))     # [2, 128, 256] float32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+__all__ = [
+    "LMConfig",
+    "Transformer",
+    "count_params",
+    "flops_per_token",
+    "make_apply_fn",
+    "transformer",
+]
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+    """The model's shapes.
+
+    Attributes:
+      vocab_size: number of token ids (256 for bytes; 50304 for GPT-2's shapes).
+      seq_len: tokens per sequence (the attention span).
+      d_model: width of the residual stream.
+      n_layers: transformer blocks.
+      n_heads: attention heads (``d_model`` must divide by it).
+      d_ff: hidden width of the MLP (default ``4 * d_model``).
+      positions: ``"rope"`` (rotary, no parameters) or ``"learned"`` (GPT-2's table).
+      dtype: compute dtype, ``"float32"`` or ``"bfloat16"`` (parameters stay float32).
+    """
+
+    vocab_size: int = 256
+    seq_len: int = 128
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int | None = None
+    positions: Literal["rope", "learned"] = "rope"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"LMConfig.{name} must be a positive int. Received: {v!r}.")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"LMConfig.d_model ({self.d_model}) must be a multiple of n_heads "
+                f"({self.n_heads}); choose n_heads among its divisors."
+            )
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(
+                f"Rotary positions need an even head size; d_model / n_heads = {self.head_dim}. "
+                "Change d_model or n_heads, or use positions='learned'."
+            )
+        if self.positions not in ("rope", "learned"):
+            raise ValueError(
+                f"LMConfig.positions must be 'rope' or 'learned'. Received: {self.positions!r}."
+            )
+        if self.dtype not in _DTYPES:
+            raise ValueError(
+                f"LMConfig.dtype must be one of {sorted(_DTYPES)}. Received: {self.dtype!r}."
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ff(self) -> int:
+        return self.d_ff if self.d_ff is not None else 4 * self.d_model
+
+
+def rope_tables(seq_len: int, head_dim: int) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin)`` of shape ``[seq_len, head_dim // 2]`` (RoFormer's frequencies)."""
+    inv = 1.0 / (10000.0 ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv[None, :]
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates pairs (first half, second half) of ``x`` ``[B, T, H, D]`` by position."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).astype(x.dtype)
+
+
+class Attention(nnx.Module):
+    """Causal multi-head self-attention with one fused QKV projection."""
+
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs) -> None:
+        dt = _DTYPES[cfg.dtype]
+        init = nnx.initializers.normal(0.02)
+        # GPT-2: residual projections scaled by 1/sqrt(2 * n_layers) at init.
+        out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layers))
+        self.cfg = cfg
+        self.qkv = nnx.Linear(cfg.d_model, 3 * cfg.d_model, kernel_init=init, dtype=dt, rngs=rngs)
+        self.out = nnx.Linear(cfg.d_model, cfg.d_model, kernel_init=out_init, dtype=dt, rngs=rngs)
+
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+        b, t, _ = x.shape
+        cfg = self.cfg
+        q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3, cfg.n_heads, cfg.head_dim), 3, axis=2)
+        q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [B, T, H, D]
+        if rope is not None:
+            cos, sin = rope
+            q, k = apply_rope(q, cos[:t], sin[:t]), apply_rope(k, cos[:t], sin[:t])
+        # implementation=None: XLA on CPU/TPU; cuDNN flash attention on a GPU when the
+        # dtype (bf16/fp16) and head size allow, else XLA.
+        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=None)
+        return self.out(y.reshape(b, t, cfg.d_model))
+
+
+class MLP(nnx.Module):
+    """``Linear(d, ff) -> GELU -> Linear(ff, d)``."""
+
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs) -> None:
+        dt = _DTYPES[cfg.dtype]
+        out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layers))
+        self.fc = nnx.Linear(
+            cfg.d_model, cfg.ff, kernel_init=nnx.initializers.normal(0.02), dtype=dt, rngs=rngs
+        )
+        self.proj = nnx.Linear(cfg.ff, cfg.d_model, kernel_init=out_init, dtype=dt, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.proj(jax.nn.gelu(self.fc(x)))
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block."""
+
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs) -> None:
+        dt = _DTYPES[cfg.dtype]
+        self.norm1 = nnx.LayerNorm(cfg.d_model, dtype=dt, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.norm2 = nnx.LayerNorm(cfg.d_model, dtype=dt, rngs=rngs)
+        self.mlp = MLP(cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+        x = x + self.attn(self.norm1(x), rope)
+        return x + self.mlp(self.norm2(x))
+
+
+class Transformer(nnx.Module):
+    """Token ids ``[B, T]`` (``T <= seq_len``) -> float32 logits ``[B, T, vocab_size]``."""
+
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs) -> None:
+        dt = _DTYPES[cfg.dtype]
+        self.cfg = cfg
+        self.embed = nnx.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            embedding_init=nnx.initializers.normal(0.02),
+            dtype=dt,
+            rngs=rngs,
+        )
+        self.pos_embed = (
+            nnx.Embed(
+                cfg.seq_len,
+                cfg.d_model,
+                embedding_init=nnx.initializers.normal(0.01),
+                dtype=dt,
+                rngs=rngs,
+            )
+            if cfg.positions == "learned"
+            else None
+        )
+        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        self.norm = nnx.LayerNorm(cfg.d_model, dtype=dt, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        cfg = self.cfg
+        t = tokens.shape[-1]
+        if t > cfg.seq_len:
+            raise ValueError(
+                f"The model attends over at most seq_len={cfg.seq_len} tokens; received a "
+                f"sequence of {t}. Crop the input or build the model with a larger seq_len."
+            )
+        x = self.embed(tokens)
+        rope = None
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(jnp.arange(t))[None]
+        else:
+            rope = rope_tables(t, cfg.head_dim)
+        for block in self.blocks:
+            x = block(x, rope)
+        # The tied head in the compute dtype; logits (and so the loss) in float32.
+        return self.embed.attend(self.norm(x)).astype(jnp.float32)
+
+
+def transformer(*, key: jax.Array, **kwargs: Any) -> Transformer:
+    """``model.fn`` for ``distrain train``: ``Transformer(LMConfig(**kwargs))``."""
+    return Transformer(LMConfig(**kwargs), rngs=nnx.Rngs(params=key))
+
+
+def make_apply_fn(graphdef: nnx.GraphDef) -> Callable[[Any, jax.Array], jax.Array]:
+    """``apply_fn(params, tokens) -> logits`` for ``graphdef, params = nnx.split(model)``."""
+
+    def apply_fn(params: Any, tokens: jax.Array) -> jax.Array:
+        return nnx.merge(graphdef, params)(tokens)
+
+    return apply_fn
+
+
+def count_params(cfg: LMConfig) -> dict[str, int]:
+    """Parameter counts from the shapes (no arrays allocated).
+
+    Returns ``{"total": ..., "position": ..., "matmul": ...}``: ``position`` is the
+    learned position table (0 with rope), ``matmul`` = total - position, the
+    parameters that take part in a matrix product per token (the token table does, as
+    the tied output head; norms and biases are counted too, a <0.1% overestimate).
+    """
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    params = nnx.state(abstract, nnx.Param)
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    position = cfg.seq_len * cfg.d_model if cfg.positions == "learned" else 0
+    return {"total": total, "position": position, "matmul": total - position}
+
+
+def flops_per_token(cfg: LMConfig, seq_len: int | None = None) -> float:
+    """Training FLOPs per token: ``6 * N + 12 * n_layers * seq_len * d_model``.
+
+    ``N`` is ``count_params(cfg)["matmul"]``: each such parameter costs 2 FLOPs per
+    token forward and 4 backward. The second term is attention (``Q K^T`` and
+    ``A V``: ``4 * T * d`` per layer forward, x3 with the backward), counted over the
+    full ``T x T`` square as PaLM (appendix B) and nanoGPT do, although a causal kernel
+    can skip half of it. MFU computed from this is comparable with theirs.
+    """
+    t = cfg.seq_len if seq_len is None else seq_len
+    return 6.0 * count_params(cfg)["matmul"] + 12.0 * cfg.n_layers * t * cfg.d_model

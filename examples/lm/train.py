@@ -1,0 +1,400 @@
+"""The LM example's steps, sampling and run: one per-replica ``train_step`` everywhere.
+
+``train_step`` / ``eval_step`` have the signature ``distrain train`` binds
+(``step(state, batch, *, apply_fn)``), so the same functions run from
+``configs/lm_*.yaml`` on the command line, from :func:`train_and_evaluate` (the example,
+through ``Trainer.fit``) and from ``benchmarks/lm.py`` (``strategy.run`` and a bare
+``jax.jit`` loop).
+
+The loss is the mean over *tokens*: ``dt.compute_average_loss`` of per-token losses
+``[B, T]``, divided by the tokens of the global batch (or, on padded evaluation
+batches, by the real tokens over all replicas, via the ``mask`` column), so summing
+gradients over replicas gives the global mean's gradient on any number of devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import math
+import os
+import platform
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import distrain as dt
+from distrain.data.pipeline import ArrayPipeline
+from distrain.train import callbacks as cbs
+from distrain.train.callbacks.throughput import format_throughput
+from distrain.train.metrics import Mean
+from examples.lm.model import LMConfig, Transformer, count_params, flops_per_token, make_apply_fn
+
+ApplyFn = Callable[[Any, jax.Array], jax.Array]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Perplexity(Mean):
+    """``exp`` of the mean per-token loss, accumulated as (total, count) like ``Mean``."""
+
+    def compute(self) -> Any:
+        mean = super().compute()
+        return math.exp(mean) if np.ndim(mean) == 0 and math.isfinite(mean) else np.exp(mean)
+
+
+def _token_losses(
+    params: Any, batch: dict[str, jax.Array], apply_fn: ApplyFn, mask_key: str
+) -> tuple[jax.Array, jax.Array | None]:
+    """Per-token cross-entropy ``[B, T]`` and the token weights (``None``: all count)."""
+    tokens = batch["tokens"].astype(jnp.int32)  # uint8 rows of seq_len + 1 bytes
+    logits = apply_fn(params, tokens[:, :-1])
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
+    mask = batch.get(mask_key) if mask_key else None
+    weights = None
+    if mask is not None:  # padded rows of a partial batch: [B] -> every token of the row
+        weights = jnp.broadcast_to(mask.astype(per_token.dtype)[:, None], per_token.shape)
+    return per_token, weights
+
+
+def train_step(
+    state: dt.TrainState,
+    batch: dict[str, jax.Array],
+    *,
+    apply_fn: ApplyFn,
+    mask_key: str = "mask",
+) -> tuple[dt.TrainState, dict[str, Any]]:
+    """One per-replica step of next-byte prediction; metrics: ``loss`` (mean per token)."""
+    ctx = dt.get_replica_context()
+
+    def loss_fn(params: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array | None]]:
+        per_token, weights = _token_losses(params, batch, apply_fn, mask_key)
+        if weights is None:
+            # Divide by the tokens of the global batch: no collective needed.
+            n = per_token.size * ctx.num_replicas_in_sync
+            return dt.compute_average_loss(per_token, global_batch_size=n), (per_token, None)
+        # Divide by the real tokens over all replicas (one scalar all-reduce).
+        return dt.compute_average_loss(per_token, mask=weights), (per_token, weights)
+
+    grads, (per_token, weights) = jax.grad(loss_fn, has_aux=True)(state.params)
+    state = state.apply_gradients(grads=grads)  # gradients summed over replicas
+    return state, {"loss": Mean.from_values(per_token, mask=weights)}
+
+
+def eval_step(
+    state: dt.TrainState,
+    batch: dict[str, jax.Array],
+    *,
+    apply_fn: ApplyFn,
+    mask_key: str = "mask",
+) -> dict[str, Any]:
+    """Held-out ``loss`` (mean per token) and ``perplexity``; padded rows do not count."""
+    per_token, weights = _token_losses(state.params, batch, apply_fn, mask_key)
+    return {
+        "loss": Mean.from_values(per_token, mask=weights),
+        "perplexity": Perplexity.from_values(per_token, mask=weights),
+    }
+
+
+# ---------------------------------------------------------------- sampling
+
+
+def generate(
+    apply_fn: ApplyFn,
+    params: Any,
+    prompt: bytes,
+    *,
+    num_bytes: int,
+    seq_len: int,
+    temperature: float = 0.0,
+    key: jax.Array | None = None,
+) -> bytes:
+    """``prompt`` continued by ``num_bytes`` sampled bytes (``temperature=0``: greedy).
+
+    Runs the whole ``seq_len`` window once per new byte (no KV cache: simple, and the
+    causal mask makes the unused positions harmless). Stops at a document separator.
+
+    Raises:
+      ValueError: an empty prompt, or prompt + ``num_bytes`` longer than ``seq_len``.
+    """
+    if not prompt or len(prompt) + num_bytes > seq_len:
+        raise ValueError(
+            f"generate needs 1 <= len(prompt) and len(prompt) + num_bytes <= seq_len ({seq_len}). "
+            f"Received: len(prompt)={len(prompt)}, num_bytes={num_bytes}."
+        )
+    key = jax.random.key(0) if key is None else key
+    buf = (
+        jnp.zeros((1, seq_len), jnp.int32)
+        .at[0, : len(prompt)]
+        .set(jnp.frombuffer(prompt, jnp.uint8))
+    )
+
+    @jax.jit
+    def run(params: Any, buf: jax.Array, key: jax.Array) -> jax.Array:
+        def body(i: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
+            buf, key = carry
+            pos = len(prompt) + i
+            logits = apply_fn(params, buf)[0, pos - 1]
+            key, sub = jax.random.split(key)
+            if temperature > 0:
+                nxt = jax.random.categorical(sub, logits / temperature)
+            else:
+                nxt = jnp.argmax(logits)
+            return buf.at[0, pos].set(nxt.astype(jnp.int32)), key
+
+        return jax.lax.fori_loop(0, num_bytes, body, (buf, key))[0]
+
+    out = np.asarray(run(params, buf, key))[0, : len(prompt) + num_bytes].astype(np.uint8)
+    text = out.tobytes()
+    end = text.find(b"\x00", len(prompt))
+    return text if end < 0 else text[:end]
+
+
+# ---------------------------------------------------------------- the run
+
+
+@dataclasses.dataclass
+class Settings:
+    """The example's run (from a ``configs/lm_*.yaml`` and the command line)."""
+
+    model: LMConfig
+    data_fn: str = "examples.lm.data:stdlib_splits"
+    data_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    global_batch_size: int = 32
+    eval_batch_size: int | None = None
+    optimizer: str = "adamw"
+    learning_rate: float = 3e-3
+    optimizer_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    steps: int = 300
+    eval_every: int = 50
+    log_every: int = 10
+    steps_per_execution: int | str = 1
+    seed: int = 0
+    devices: int | None = None  # None: all local devices
+    shard_state: bool = False
+    peak_flops: float | None = None  # per device; None: the table's (none on CPU)
+    profile: tuple[int, int] | None = None
+    prompts: tuple[str, ...] = ("def ", "import ", "class ")
+    sample_bytes: int = 48
+    temperature: float = 0.0
+
+
+def settings_from_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Settings:
+    """Reads a ``distrain train`` config (``configs/lm_*.yaml``) into :class:`Settings`."""
+    from distrain.train.config import load_config
+
+    cfg = load_config(path, list(overrides))
+    return Settings(
+        model=LMConfig(**cfg.model.kwargs),
+        data_fn=cfg.data.fn,
+        data_kwargs=dict(cfg.data.kwargs),
+        global_batch_size=cfg.data.global_batch_size,
+        eval_batch_size=cfg.data.eval_batch_size,
+        optimizer=cfg.optimizer.name,
+        learning_rate=cfg.optimizer.learning_rate,
+        optimizer_kwargs=dict(cfg.optimizer.kwargs),
+        steps=cfg.train.steps or 1,
+        log_every=cfg.train.log_every,
+        steps_per_execution=cfg.train.steps_per_execution,
+        seed=cfg.seed,
+    )
+
+
+def init_state(s: Settings) -> tuple[ApplyFn, dt.TrainState]:
+    """``(apply_fn, state)``: the model split once, its params a pure dict in the state."""
+    graphdef, params = nnx.split(Transformer(s.model, rngs=nnx.Rngs(s.seed)))
+    tx = getattr(optax, s.optimizer)(s.learning_rate, **s.optimizer_kwargs)
+    state = dt.TrainState.create(params=nnx.to_pure_dict(params), tx=tx)
+    return make_apply_fn(graphdef), state
+
+
+def load_splits(s: Settings) -> dict[str, dict[str, np.ndarray]]:
+    from distrain.train.run import resolve_callable
+
+    kwargs = dict(s.data_kwargs)
+    if kwargs.setdefault("seq_len", s.model.seq_len) != s.model.seq_len:
+        raise ValueError(
+            f"data seq_len ({kwargs['seq_len']}) differs from the model's seq_len "
+            f"({s.model.seq_len}); the rows must hold seq_len + 1 tokens of the model. Set both "
+            "to the same value."
+        )
+    return resolve_callable(s.data_fn, "data.fn")(**kwargs)
+
+
+def make_strategy(s: Settings) -> dt.Strategy:
+    devices = jax.devices() if s.devices is None else jax.devices()[: s.devices]
+    if s.devices is not None and len(devices) < s.devices:
+        raise ValueError(
+            f"devices={s.devices} asks for more replicas than JAX has devices "
+            f"({jax.device_count()}); use {jax.device_count()} or fewer."
+        )
+    return dt.MirroredStrategy(devices, shard_state=s.shard_state)
+
+
+def train_and_evaluate(
+    s: Settings,
+    *,
+    workdir: str | os.PathLike[str] | None = None,
+    out_dir: str | os.PathLike[str] | None = None,
+    splits: dict[str, dict[str, np.ndarray]] | None = None,
+    strategy: dt.Strategy | None = None,
+    progress: bool = True,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any]:
+    """Trains with ``Trainer.fit``; evaluates, samples and (with ``out_dir``) plots.
+
+    Every ``eval_every`` steps is one Trainer "epoch": the held-out split is evaluated
+    after it (the learning curve). With ``workdir``, ``BackupAndRestore`` backs up
+    every ``eval_every`` steps into ``workdir/backup`` (run the same command again
+    after a crash: it resumes exactly) and ``ModelCheckpoint`` keeps the last model in
+    ``workdir/checkpoints``.
+
+    Returns a JSON-ready dict: history, initial and final held-out loss, throughput,
+    samples, hardware and time.
+    """
+    strategy = strategy or make_strategy(s)
+    n = strategy.num_replicas_in_sync
+    splits = splits if splits is not None else load_splits(s)
+    apply_fn, state = init_state(s)
+    cfg = s.model
+    n_params = count_params(cfg)
+    fpt = flops_per_token(cfg)
+    rows = {k: v["tokens"].shape[0] for k, v in splits.items()}
+    log(
+        f"model: {n_params['total']:,} parameters, {fpt / 1e6:.2f} MFLOPs/token; {n} replicas "
+        f"on {jax.devices()[0].device_kind}; train {rows['train']:,} x {cfg.seq_len} tokens, "
+        f"held-out {rows['test']:,} sequences"
+    )
+    train = ArrayPipeline(
+        splits["train"], global_batch_size=s.global_batch_size, seed=s.seed, num_epochs=None
+    )
+    test = ArrayPipeline(
+        splits["test"],
+        global_batch_size=s.eval_batch_size or s.global_batch_size,
+        shuffle=False,
+        num_epochs=1,
+        drop_remainder=False,
+        mask_key="mask",
+    )
+    throughput = cbs.Throughput(
+        s.global_batch_size,
+        tokens_per_example=cfg.seq_len,
+        flops_per_token=fpt,
+        peak_flops_per_device=s.peak_flops if s.peak_flops is not None else "auto",
+    )
+    callbacks: list[cbs.Callback] = [throughput]
+    if progress:
+        callbacks.append(cbs.ProgressBar())
+    if workdir is not None:
+        callbacks += [
+            cbs.BackupAndRestore(os.path.join(workdir, "backup"), save_freq=s.eval_every),
+            cbs.ModelCheckpoint(os.path.join(workdir, "checkpoints"), max_to_keep=1),
+        ]
+    if s.profile is not None:
+        logdir = os.path.join(workdir or out_dir or ".", "profile")
+        callbacks.append(cbs.ProfilerWindow(*s.profile, logdir))
+    bound = functools.partial(train_step, apply_fn=apply_fn)
+    trainer = dt.Trainer(
+        strategy,
+        bound,
+        functools.partial(eval_step, apply_fn=apply_fn),
+        callbacks=callbacks,
+        log_every=s.log_every,
+        steps_per_execution=s.steps_per_execution,
+    )
+    initial = trainer.evaluate(state, test)
+    log(f"step 0: held-out loss {initial['loss']:.4f} (perplexity {initial['perplexity']:.1f})")
+    start = time.perf_counter()
+    state, history = trainer.fit(
+        state,
+        train,
+        epochs=math.ceil(s.steps / s.eval_every),
+        steps=s.steps,
+        steps_per_epoch=s.eval_every,
+        validation_data=test,
+    )
+    seconds = time.perf_counter() - start
+    h = history.history
+    steps_at = [min((e + 1) * s.eval_every, s.steps) for e in range(len(h["loss"]))]
+    for step, tl, vl in zip(steps_at, h["loss"], h["val_loss"], strict=True):
+        log(f"step {step}: train loss {tl:.4f}  held-out loss {vl:.4f}")
+    tp = throughput.summary()
+    if tp is not None:
+        tokens = f"{s.global_batch_size} x {cfg.seq_len} tokens/step"
+        log(f"throughput: {format_throughput(tp)} ({tokens})")
+
+    params = jax.device_get(state.params)  # one host copy; sampling runs on one device
+    samples = {
+        p: generate(
+            apply_fn,
+            params,
+            p.encode(),
+            num_bytes=s.sample_bytes,
+            seq_len=cfg.seq_len,
+            temperature=s.temperature,
+            key=jax.random.key(s.seed),
+        ).decode("utf-8", errors="replace")
+        for p in s.prompts
+        if len(p) + s.sample_bytes <= cfg.seq_len
+    }
+    for text in samples.values():
+        log(f"sample: {text!r}")
+    result = {
+        "model": dataclasses.asdict(cfg),
+        "parameters": n_params["total"],
+        "flops_per_token": fpt,
+        "replicas": n,
+        "device": jax.devices()[0].device_kind,
+        "host": {"machine": platform.machine(), "cpus": os.cpu_count()},
+        "global_batch_size": s.global_batch_size,
+        "steps": trainer.global_step,
+        "tokens_seen": trainer.global_step * s.global_batch_size * cfg.seq_len,
+        "seconds": seconds,
+        "initial_val_loss": initial["loss"],
+        "final_val_loss": h["val_loss"][-1],
+        "final_val_perplexity": h["val_perplexity"][-1],
+        "curve": {"step": steps_at, "loss": h["loss"], "val_loss": h["val_loss"]},
+        "throughput": tp,
+        "samples": samples,
+    }
+    if out_dir is not None:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "result.json").write_text(json.dumps(result, indent=2) + "\n")
+        plot_curve(result, out / "learning_curve.png")
+    result["state"] = state
+    return result
+
+
+def plot_curve(result: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    """Train and held-out loss (nats per byte) against steps, as a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    c = result["curve"]
+    fig, ax = plt.subplots(figsize=(6, 3.6), dpi=120)
+    ax.plot([0, *c["step"]], [result["initial_val_loss"], *c["val_loss"]], "o-", label="held-out")
+    ax.plot(c["step"], c["loss"], "s--", label="train (mean over the interval)")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / byte)")
+    m = result["model"]
+    ax.set_title(
+        f"{result['parameters'] / 1e6:.2f}M-param byte LM, {m['n_layers']} layers, "
+        f"seq {m['seq_len']}, {result['replicas']} replica(s)",
+        fontsize=9,
+    )
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)

@@ -1,0 +1,366 @@
+"""examples/lm: the byte-level transformer LM, its data, configs, and distribution checks.
+
+Tiny model (2 layers, d_model 32, seq 16) on real stdlib text, 8 virtual CPU devices:
+training runs and the held-out loss falls; 8 replicas, 1 replica and sharded state give
+the same loss and parameters; resuming from a backup is bit-exact; the download code
+checks and caches against a real local HTTP server.
+"""
+
+import contextlib
+import dataclasses
+import functools
+import hashlib
+import http.server
+import json
+import math
+import pathlib
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import distrain as dt
+from distrain.cluster.launch import free_port
+from distrain.data.pipeline import ArrayPipeline
+from distrain.train.config import load_config
+from distrain.train.run import run_config
+from examples.lm import data as lm_data
+from examples.lm.model import LMConfig, Transformer, count_params, flops_per_token
+from examples.lm.train import (
+    Perplexity,
+    Settings,
+    generate,
+    init_state,
+    settings_from_config,
+    train_and_evaluate,
+    train_step,
+)
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TINY = LMConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2)
+SETTINGS = Settings(
+    model=TINY, global_batch_size=16, eval_batch_size=16, learning_rate=1e-2, log_every=1
+)
+
+
+@pytest.fixture(scope="module")
+def splits():
+    """Real text: the json and email packages of the stdlib, two files held out."""
+    stdlib = pathlib.Path(json.__file__).parent.parent
+    docs = lm_data.list_documents([("json", stdlib / "json"), ("email", stdlib / "email")])
+    texts = [p.read_bytes() for _, p in docs]
+    return {
+        "train": {"tokens": lm_data.pack(texts[2:], TINY.seq_len, max_rows=2048)},
+        "test": {"tokens": lm_data.pack(texts[:2], TINY.seq_len, max_rows=20)},  # 20: padded
+    }
+
+
+# ------------------------------------------------------------------ data
+
+
+def test_python_corpus_splits_by_document_deterministically(tmp_path):
+    root = tmp_path / "lib"
+    (root / "pkg").mkdir(parents=True)
+    (root / "site-packages").mkdir()
+    for i in range(40):
+        (root / "pkg" / f"m{i}.py").write_text(f"x = {i}\n" * 10)
+    (root / "notes.txt").write_text("plain docs\n")
+    (root / "site-packages" / "user.py").write_text("installed, not shipped\n")
+    (root / "binary.py").write_bytes(b"a\x00b")  # NUL: the separator, not text
+    (root / "latin1.txt").write_bytes("caf\xe9".encode("latin-1"))  # not UTF-8
+    (root / "image.png").write_bytes(b"\x89PNG")
+    ids = [i for i, _ in lm_data.list_documents([("r", root)])]
+    assert "r/notes.txt" in ids and "r/pkg/m0.py" in ids and "r/binary.py" in ids
+    assert not any("site-packages" in i or i.endswith(".png") for i in ids)
+    corpus = lm_data.python_corpus(0.25, roots=[("r", root)])
+    texts = {k: set(v) for k, v in corpus.items()}
+    assert texts["train"].isdisjoint(texts["test"])
+    assert len(texts["train"]) + len(texts["test"]) == 41  # 40 modules + notes.txt
+    assert b"a\x00b" not in texts["train"] | texts["test"]
+    expected_test = {
+        (root / i.removeprefix("r/")).read_bytes()
+        for i in ids
+        if lm_data.is_held_out(i, 0.25) and i not in ("r/binary.py", "r/latin1.txt")
+    }
+    assert texts["test"] == expected_test and 2 <= len(expected_test) <= 20
+    # Same split again, whatever the file order on disk.
+    assert lm_data.python_corpus(0.25, roots=[("r", root)]) == corpus
+
+
+def test_python_corpus_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"heldout_fraction must be in \(0, 1\); received .*=1"):
+        lm_data.python_corpus(1)
+    (tmp_path / "a.py").write_text("x = 1\n")
+    with pytest.raises(ValueError, match=r"The 'test' split is empty: 1 documents were found"):
+        lm_data.python_corpus(1e-9, roots=[("r", tmp_path)])
+
+
+def test_default_corpus_is_the_stdlib_and_tens_of_megabytes():
+    docs = lm_data.list_documents()
+    ids = {i for i, _ in docs}
+    assert "stdlib/json/decoder.py" in ids and "stdlib/asyncio/tasks.py" in ids
+    assert not any("site-packages" in i for i in ids)
+    assert sum(p.stat().st_size for _, p in docs) > 10_000_000
+
+
+def test_pack_rows_overlap_by_one_byte():
+    rows = lm_data.pack([b"abcdef", b"ghij"], 4)
+    stream = b"abcdef\x00ghij"
+    assert rows.dtype == np.uint8 and rows.shape == (2, 5)
+    assert rows[0].tobytes() == stream[0:5] and rows[1].tobytes() == stream[4:9]
+    assert lm_data.pack([b"abcdef", b"ghij"], 4, max_rows=1).shape == (1, 5)
+    with pytest.raises(ValueError, match=r"The text has 3 bytes, fewer than one sequence"):
+        lm_data.pack([b"abc"], 4)
+    with pytest.raises(ValueError, match=r"seq_len must be a positive int; received seq_len=0"):
+        lm_data.pack([b"abc"], 0)
+
+
+# ------------------------------------------------------------- download
+
+
+@contextlib.contextmanager
+def _serve(directory):
+    """A real HTTP server on 127.0.0.1 serving ``directory``; yields its base URL."""
+
+    class Quiet(http.server.SimpleHTTPRequestHandler):
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(
+        ("127.0.0.1", 0), functools.partial(Quiet, directory=str(directory))
+    )
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05})
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=10)
+
+
+@pytest.fixture
+def mirror(tmp_path):
+    www = tmp_path / "www"
+    www.mkdir()
+    text = b"First Citizen:\nBefore we proceed any further, hear me speak.\n" * 20
+    (www / "input.txt").write_bytes(text)
+    with _serve(www) as url:
+        yield f"{url}/input.txt", www, text, hashlib.sha256(text).hexdigest()
+
+
+def test_tinyshakespeare_downloads_checks_and_caches(mirror, tmp_path):
+    url, www, text, sha = mirror
+    cache = tmp_path / "cache"
+    out = lm_data.load_tinyshakespeare(cache_dir=cache, url=url, sha256=sha)
+    cut = round(len(text) * 0.9)
+    assert out == {"train": text[:cut], "test": text[cut:]}
+    assert [p.name for p in cache.iterdir()] == ["tinyshakespeare.txt"]  # no temp files left
+    (www / "input.txt").unlink()  # cached: the server is no longer needed
+    assert lm_data.load_tinyshakespeare(cache_dir=cache, url=url, sha256=sha) == out
+    rows = lm_data.tinyshakespeare_splits(32, cache_dir=cache, url=url, sha256=sha)
+    assert rows["train"]["tokens"].shape[1] == 33
+
+
+def test_tinyshakespeare_default_cache_dir_from_env(mirror, tmp_path, monkeypatch):
+    url, _, _, sha = mirror
+    monkeypatch.setenv("DISTRAIN_DATA_DIR", str(tmp_path / "data"))
+    lm_data.load_tinyshakespeare(url=url, sha256=sha)
+    assert (tmp_path / "data" / "lm" / "tinyshakespeare.txt").exists()
+
+
+def test_tinyshakespeare_checksum_mismatch_keeps_nothing(mirror, tmp_path):
+    url, _, _, _ = mirror
+    cache = tmp_path / "cache"
+    with pytest.raises(ValueError, match=r"Checksum mismatch for http://127\.0\.0\.1:\d+/input"):
+        lm_data.load_tinyshakespeare(cache_dir=cache, url=url)  # the real file's checksum
+    assert not any(cache.iterdir())
+
+
+def test_tinyshakespeare_corrupt_cache_is_deleted_then_redownloaded(mirror, tmp_path):
+    url, _, text, sha = mirror
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "tinyshakespeare.txt").write_bytes(b"truncated")
+    with pytest.raises(ValueError, match=r"tinyshakespeare.txt is corrupt: sha256 .* deleted"):
+        lm_data.load_tinyshakespeare(cache_dir=cache, url=url, sha256=sha)
+    assert not (cache / "tinyshakespeare.txt").exists()
+    out = lm_data.load_tinyshakespeare(cache_dir=cache, url=url, sha256=sha)
+    assert out["train"] + out["test"] == text
+
+
+def test_tinyshakespeare_unreachable_says_where_to_put_the_file(tmp_path):
+    url = f"http://127.0.0.1:{free_port()}/input.txt"  # nothing listens there
+    with pytest.raises(ConnectionError, match=r"Could not download .* copy it to .*tinyshakespe"):
+        lm_data.load_tinyshakespeare(cache_dir=tmp_path, url=url, timeout=5)
+    with pytest.raises(ValueError, match=r"heldout_fraction must be in \(0, 1\)"):
+        lm_data.load_tinyshakespeare(cache_dir=tmp_path, url=url, heldout_fraction=0)
+
+
+def test_tinyshakespeare_known_checksum():
+    assert lm_data.TINYSHAKESPEARE_SHA256 == (
+        "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+    )
+    assert lm_data.TINYSHAKESPEARE_URL.endswith("/data/tinyshakespeare/input.txt")
+
+
+# ------------------------------------------------------------------ model
+
+
+def test_gpt2_small_config_has_gpt2_small_shapes():
+    s = settings_from_config(str(ROOT / "configs/lm_gpt2_small.yaml"))
+    assert s.model.dtype == "bfloat16" and s.model.seq_len == 1024
+    n = count_params(s.model)
+    # nanoGPT's GPT-2 small with the vocabulary padded to 50304: 124,475,904.
+    assert n == {"total": 124_475_904, "position": 786_432, "matmul": 123_689_472}
+    assert flops_per_token(s.model) == 6 * 123_689_472 + 12 * 12 * 1024 * 768
+
+
+def test_tiny_config_is_about_a_million_parameters():
+    s = settings_from_config(str(ROOT / "configs/lm_tiny.yaml"))
+    assert 0.5e6 < count_params(s.model)["total"] < 1.5e6
+    assert s.steps == 300 and s.model.positions == "rope"
+
+
+def test_model_config_errors():
+    with pytest.raises(ValueError, match=r"d_model \(30\) must be a multiple of n_heads \(4\)"):
+        LMConfig(d_model=30, n_heads=4)
+    with pytest.raises(ValueError, match=r"Rotary positions need an even head size; .* = 3"):
+        LMConfig(d_model=12, n_heads=4)
+    with pytest.raises(ValueError, match=r"LMConfig.dtype must be one of .* Received: 'fp8'"):
+        LMConfig(dtype="fp8")
+    with pytest.raises(ValueError, match=r"LMConfig.n_layers must be a positive int"):
+        LMConfig(n_layers=0)
+    with pytest.raises(ValueError, match=r"at most seq_len=16 tokens; received a sequence of 17"):
+        jax.eval_shape(lambda: Transformer(TINY, rngs=nnx.Rngs(0))(jnp.zeros((1, 17), jnp.int32)))
+
+
+@pytest.mark.parametrize("positions", ["rope", "learned"])
+def test_bf16_model_is_causal_and_returns_float32_logits(positions):
+    cfg = dataclasses.replace(TINY, dtype="bfloat16", positions=positions)
+    model = Transformer(cfg, rngs=nnx.Rngs(0))
+    tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 256)
+    forward = jax.jit(lambda t: model(t))
+    logits = forward(tokens)
+    assert logits.dtype == jnp.float32 and logits.shape == (2, 16, 256)
+    assert model.blocks[0].attn.qkv.kernel[...].dtype == jnp.float32  # params stay f32
+    changed = forward(tokens.at[:, 10].set(7))  # a later token must not change earlier outputs
+    np.testing.assert_array_equal(logits[:, :10], changed[:, :10])
+
+
+def test_perplexity_is_exp_of_the_mean_token_loss():
+    losses, mask = jnp.array([[1.0, 2.0], [3.0, 9.0]]), jnp.array([[1, 1], [1, 0]])
+    p = Perplexity.from_values(losses, mask=mask)
+    assert p.compute() == pytest.approx(math.exp(2.0))
+
+
+def test_generate_greedy_is_deterministic_and_checks_lengths(model):
+    step, state = model
+    apply_fn = step.keywords["apply_fn"]
+    out = generate(apply_fn, state.params, b"def ", num_bytes=6, seq_len=16)
+    assert out.startswith(b"def ") and len(out) <= 10
+    assert generate(apply_fn, state.params, b"def ", num_bytes=6, seq_len=16) == out
+    with pytest.raises(ValueError, match=r"len\(prompt\) \+ num_bytes <= seq_len \(16\)"):
+        generate(apply_fn, state.params, b"def ", num_bytes=13, seq_len=16)
+
+
+# ------------------------------------------------------- training on replicas
+
+
+@pytest.fixture(scope="module")
+def model():
+    """``(train_step, initial state)``: one step function, so each strategy compiles once."""
+    apply_fn, state = init_state(SETTINGS)
+    return functools.partial(train_step, apply_fn=apply_fn), state
+
+
+@pytest.fixture(scope="module")
+def strategy8(devices):
+    return dt.MirroredStrategy(devices)
+
+
+def _fit(strategy, model, train_rows, steps, callbacks=()):
+    step, state = model  # fit copies the state it is given: `state` stays valid
+    trainer = dt.Trainer(strategy, step, log_every=1)
+    data = ArrayPipeline(train_rows, global_batch_size=16, seed=0, num_epochs=None)
+    state, history = trainer.fit(state, data, steps=steps, callbacks=callbacks)
+    return jax.device_get(state.params), history.history["loss"][-1]
+
+
+def test_one_eight_and_sharded_replicas_agree_after_two_steps(devices, strategy8, model, splits):
+    one = _fit(dt.MirroredStrategy(devices[:1]), model, splits["train"], 2)
+    eight = _fit(strategy8, model, splits["train"], 2)
+    sharded_strategy = dt.MirroredStrategy(devices, shard_state=True, min_shard_bytes=0)
+    sharded = _fit(sharded_strategy, model, splits["train"], 2)
+    assert np.isfinite(one[1])
+
+    def close(a, b):  # summation order differs; Adam magnifies it on near-zero gradients
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=2e-5)
+
+    for other in (eight, sharded):
+        assert other[1] == pytest.approx(one[1], rel=1e-5)
+        jax.tree.map(close, other[0], one[0])
+
+
+def test_resume_from_a_backup_is_exact(strategy8, model, splits, tmp_path):
+    straight, _ = _fit(strategy8, model, splits["train"], 4)
+
+    def backup():
+        return dt.callbacks.BackupAndRestore(tmp_path, save_freq=2, delete_checkpoint=False)
+
+    _fit(strategy8, model, splits["train"], 2, [backup()])
+    cb = backup()
+    resumed, _ = _fit(strategy8, model, splits["train"], 4, [cb])
+    assert cb.restored_step == 2
+    jax.tree.map(np.testing.assert_array_equal, resumed, straight)
+
+
+def test_example_trains_on_eight_replicas(devices, splits, tmp_path):
+    s = dataclasses.replace(
+        SETTINGS, steps=4, eval_every=2, prompts=("def ",), sample_bytes=8
+    )
+    lines = []
+    result = train_and_evaluate(
+        s,
+        splits=splits,
+        strategy=dt.MirroredStrategy(devices),
+        workdir=tmp_path / "work",
+        out_dir=tmp_path / "out",
+        progress=False,
+        log=lines.append,
+    )
+    assert result["replicas"] == 8 and result["steps"] == 4
+    assert result["curve"]["step"] == [2, 4]
+    assert result["final_val_loss"] < result["initial_val_loss"] - 0.3  # it learns
+    assert result["final_val_perplexity"] == pytest.approx(math.exp(result["final_val_loss"]))
+    tp = result["throughput"]
+    assert tp["tokens_per_sec"] > 0 and tp["examples_per_sec"] > 0 and "mfu" not in tp
+    assert result["samples"]["def "].startswith("def ")
+    assert any(line.startswith("throughput: ") and "MFU n/a" in line for line in lines)
+    saved = json.loads((tmp_path / "out" / "result.json").read_text())
+    assert saved["final_val_loss"] == result["final_val_loss"]
+    assert (tmp_path / "out" / "learning_curve.png").stat().st_size > 1000
+    assert list((tmp_path / "work" / "checkpoints").iterdir())  # ModelCheckpoint kept one
+    assert not (tmp_path / "work" / "backup").exists()  # finished: backups removed
+
+
+def test_distrain_train_runs_the_tiny_config(devices):
+    overrides = [
+        "model.kwargs.seq_len=16", "model.kwargs.d_model=32", "model.kwargs.n_layers=2",
+        "model.kwargs.n_heads=2", "data.kwargs.seq_len=16", "data.kwargs.max_documents=40",
+        "data.kwargs.heldout_fraction=0.3", "data.kwargs.max_test_rows=24",
+        "data.global_batch_size=16", "data.eval_batch_size=16", "train.steps=2",
+    ]  # fmt: skip
+    lines = []
+    result = run_config(
+        load_config(ROOT / "configs/lm_tiny.yaml", overrides),
+        progress_bar=False,
+        print_fn=lines.append,
+    )
+    assert result.history.history["loss"] and np.isfinite(result.history.history["loss"][-1])
+    m = result.test_metrics
+    assert m["perplexity"] == pytest.approx(math.exp(m["loss"])) and m["loss"] < 5.6
+    assert any(line.startswith("final test: loss=") for line in lines)
