@@ -13,6 +13,9 @@ Two kinds of source:
 * *process-local* batches (``distribute_datasets_from_function``, or a source with
   ``process_local = True`` such as ``ArrayPipeline``): each process yields only its
   rows, and the global batch is assembled with ``make_array_from_process_local_data``.
+  A ``dataset_fn`` written for TensorFlow (batched by
+  ``ctx.get_per_replica_batch_size(global)``) yields per-replica batches instead: one
+  is taken per local replica each step, as in TF (see ``InputContext``).
 
 If the source iterator has ``get_state()`` / ``set_state()``, so does the distributed
 iterator, counting only the batches the caller consumed (not those prefetched).
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import threading
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -62,22 +66,53 @@ class InputOptions:
 class InputContext:
     """What a ``dataset_fn`` of ``distribute_datasets_from_function`` needs to know.
 
-    Example:
-      >>> def dataset_fn(ctx):
-      ...     batch = ctx.get_per_replica_batch_size(GLOBAL) * ctx.num_replicas_in_sync \\
-      ...         // ctx.num_input_pipelines
-      ...     return ArrayPipeline(data, global_batch_size=GLOBAL,
-      ...                          process_index=ctx.input_pipeline_id,
-      ...                          process_count=ctx.num_input_pipelines)
+    ``dataset_fn(ctx)`` runs once per process (input pipeline) and may yield either
+
+    * TensorFlow's form: *per-replica* batches, batched by
+      ``ctx.get_per_replica_batch_size(GLOBAL)``. Each step then takes one batch per
+      local replica, in order (replica ``r`` of this process gets the ``r``-th), as
+      TF's round robin over a worker's devices does; or
+    * distrain's form: this process's rows of each global batch
+      (``GLOBAL // ctx.num_input_pipelines`` rows), split over the local replicas.
+
+    The TF form is recognised when ``dataset_fn`` called
+    ``get_per_replica_batch_size(GLOBAL)`` and its first batch has exactly that many
+    rows (with more than one local replica; with one, both forms are the same).
+
+    Example (TF's form)::
+
+        def dataset_fn(ctx):
+            per_replica = ctx.get_per_replica_batch_size(GLOBAL)
+            return ArrayPipeline(shard_of(data, ctx.input_pipeline_id), global_batch_size=
+                                 per_replica, process_index=0, process_count=1)
     """
 
     num_input_pipelines: int = 1
     input_pipeline_id: int = 0
     num_replicas_in_sync: int = 1
+    # Global batch sizes dataset_fn asked about (to recognise TF's per-replica form).
+    _requested: list[int] = dataclasses.field(
+        default_factory=list, compare=False, repr=False, init=False
+    )
 
     def get_per_replica_batch_size(self, global_batch_size: int) -> int:
-        """``global_batch_size // num_replicas_in_sync``; raises if it does not divide."""
-        return _per_replica(global_batch_size, self.num_replicas_in_sync)
+        """``global_batch_size // num_replicas_in_sync``.
+
+        Raises:
+          ValueError: not a positive int, or not divisible by the number of replicas.
+        """
+        if (
+            isinstance(global_batch_size, bool | np.bool_)
+            or not isinstance(global_batch_size, int | np.integer)
+            or global_batch_size <= 0
+        ):
+            raise ValueError(
+                "global_batch_size must be a positive int (rows per step over all replicas). "
+                f"Received: {global_batch_size!r} ({type(global_batch_size).__name__})."
+            )
+        per = _per_replica(int(global_batch_size), self.num_replicas_in_sync)
+        self._requested.append(int(global_batch_size))
+        return per
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,8 +123,25 @@ class ValueContext:
     num_replicas_in_sync: int
 
 
+# The context made for the dataset_fn being called, so that the DistributedDataset made
+# from its result right after (Strategy.distribute_datasets_from_function) can read what
+# it asked (see InputContext). Per thread: input_context, dataset_fn and the dataset's
+# construction happen in one call.
+_pending = threading.local()
+
+
 def input_context(strategy: Strategy) -> InputContext:
-    return InputContext(jax.process_count(), jax.process_index(), strategy.num_replicas_in_sync)
+    ctx = InputContext(jax.process_count(), jax.process_index(), strategy.num_replicas_in_sync)
+    _pending.value = (strategy, ctx)
+    return ctx
+
+
+def _take_pending_context(strategy: Strategy) -> InputContext | None:
+    pending = getattr(_pending, "value", None)
+    _pending.value = None
+    if pending is not None and pending[0] is strategy:
+        return pending[1]
+    return None
 
 
 def _multiples(n: int, k: int) -> str:
@@ -246,6 +298,7 @@ class DistributedDataset:
         options: InputOptions | None = None,
         *,
         process_local: bool | None = None,
+        input_context: InputContext | None = None,
     ) -> None:
         if not isinstance(dataset, Iterable):
             raise TypeError(
@@ -260,9 +313,25 @@ class DistributedDataset:
         self._strategy = strategy
         self._dataset = dataset
         self._options = options or InputOptions()
+        if process_local is True and input_context is None:
+            input_context = _take_pending_context(strategy)  # from dataset_fn's call
         if process_local is None:
             process_local = bool(getattr(dataset, "process_local", False))
         self._process_local = process_local
+        self._input_context = input_context
+
+    def _group_size(self, first: Any) -> int:
+        """Source batches per step: the local replica count for TF's per-replica form
+        (see InputContext), else 1."""
+        ctx = self._input_context
+        if not self._process_local or ctx is None or not ctx._requested:
+            return 1
+        n_local = _local_replicas(self._strategy)
+        per_replica = ctx._requested[-1] // ctx.num_replicas_in_sync
+        leaves, treedef = jax.tree.flatten(first)
+        if n_local > 1 and leaves and _batch_size(leaves, treedef) == per_replica:
+            return n_local
+        return 1
 
     @property
     def strategy(self) -> Strategy:
@@ -287,6 +356,7 @@ class DistributedIterator:
         self._state: Any = self._source_state()
         self._ahead: collections.deque[tuple[Any, Any]] = collections.deque()
         self._exhausted = False
+        self._group: int | None = None  # source batches per step (see _next_batch)
 
     # -- state
     def _source_state(self) -> Any:
@@ -339,9 +409,27 @@ class DistributedIterator:
 
     def _produce(self) -> tuple[PerReplica, Any]:
         while True:
-            batch = self._prepare(next(self._source))
+            batch = self._prepare(self._next_batch())
             if batch is not None:
                 return self._place(batch), self._source_state()
+
+    def _next_batch(self) -> Any:
+        """The next step's batch: one source batch, or (TF's per-replica form) one per
+        local replica, concatenated in replica order (fewer when the source ends)."""
+        first = next(self._source)
+        if self._group is None:
+            self._group = self._ds._group_size(first)
+        if self._group == 1:
+            return first
+        parts = [first]
+        for _ in range(self._group - 1):
+            try:
+                parts.append(next(self._source))
+            except StopIteration:
+                break
+        if len(parts) == 1:
+            return first
+        return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *parts)
 
     # -- one batch
     def _prepare(self, batch: Any) -> Any | None:

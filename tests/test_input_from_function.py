@@ -1,0 +1,155 @@
+"""distribute_datasets_from_function: TensorFlow's pattern (dataset_fn batches by
+ctx.get_per_replica_batch_size(global)) gives each replica its per-replica batch, as in
+TF; distrain's process-local batches keep working."""
+
+import numpy as np
+import pytest
+
+import distrain as dt
+
+GLOBAL = 64
+
+
+def _rows(strategy, batch, key="x"):
+    return np.asarray(strategy.gather(batch)[key])
+
+
+def test_tf_pattern_gives_each_replica_its_per_replica_batch(devices):
+    strategy = dt.MirroredStrategy()  # 8 replicas in this process
+    data = np.arange(4 * GLOBAL)
+
+    def dataset_fn(ctx):
+        per_replica = ctx.get_per_replica_batch_size(GLOBAL)
+        assert per_replica == 8
+        # The TF idiom: shard by pipeline, batch by the per-replica size.
+        mine = data[ctx.input_pipeline_id :: ctx.num_input_pipelines]
+        return [{"x": mine[i : i + per_replica]} for i in range(0, len(mine), per_replica)]
+
+    dist = strategy.distribute_datasets_from_function(dataset_fn)
+    batches = list(dist)
+    assert len(batches) == 4  # 32 per-replica batches / 8 replicas
+    for b in batches:
+        shards = strategy.experimental_local_results(b)
+        assert [len(s["x"]) for s in shards] == [8] * 8  # not 1 row each
+    # Replica r of step s gets element s*8 + r of the dataset, as TF's round robin does.
+    np.testing.assert_array_equal(_rows(strategy, batches[0]), data[:GLOBAL])
+    np.testing.assert_array_equal(np.concatenate([_rows(strategy, b) for b in batches]), data)
+
+
+def test_tf_pattern_under_the_trainer_and_with_state(devices):
+    strategy = dt.MirroredStrategy()
+    data = {"x": np.arange(2 * GLOBAL, dtype=np.float32)}
+
+    def dataset_fn(ctx):
+        return dt.data.ArrayPipeline(
+            data, global_batch_size=ctx.get_per_replica_batch_size(GLOBAL), shuffle=False,
+            num_epochs=1, process_index=0, process_count=1,
+        )
+
+    it = iter(strategy.distribute_datasets_from_function(dataset_fn))
+    first = next(it)
+    state = it.get_state()
+    second = next(it)
+    np.testing.assert_array_equal(_rows(strategy, first), data["x"][:GLOBAL])
+    it2 = iter(strategy.distribute_datasets_from_function(dataset_fn))
+    it2.set_state(state)
+    np.testing.assert_array_equal(_rows(strategy, next(it2)), _rows(strategy, second))
+
+
+def test_tf_pattern_last_partial_group_is_masked_with_mask_key(devices):
+    strategy = dt.MirroredStrategy()
+    data = np.arange(GLOBAL + 20, dtype=np.float32)
+
+    def dataset_fn(ctx):
+        n = ctx.get_per_replica_batch_size(GLOBAL)
+        return [{"x": data[i : i + n]} for i in range(0, len(data), n)]
+
+    batches = list(strategy.distribute_datasets_from_function(
+        dataset_fn, dt.InputOptions(mask_key="mask")))
+    assert len(batches) == 2
+    last = strategy.gather(batches[1])
+    assert np.asarray(last["mask"]).sum() == 20 and len(last["x"]) == GLOBAL
+
+
+def test_process_local_batches_keep_working(devices):
+    strategy = dt.MirroredStrategy()
+
+    def dataset_fn(ctx):
+        # distrain's own form: this process's rows of each global batch.
+        rows = GLOBAL // ctx.num_input_pipelines
+        return [{"x": np.arange(rows, dtype=np.float32)}]
+
+    (batch,) = list(strategy.distribute_datasets_from_function(dataset_fn))
+    shards = strategy.experimental_local_results(batch)
+    assert [len(s["x"]) for s in shards] == [8] * 8
+
+
+@pytest.mark.parametrize("bad", [0, -8, True, 8.0, "64"])
+def test_get_per_replica_batch_size_rejects_bad_values(bad):
+    ctx = dt.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=8)
+    with pytest.raises(ValueError, match=r"global_batch_size must be a positive int.*Received"):
+        ctx.get_per_replica_batch_size(bad)
+
+
+def test_get_per_replica_batch_size_not_divisible_says_what_to_use():
+    ctx = dt.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=8)
+    with pytest.raises(ValueError, match=r"global batch size \(60\).*replicas \(8\).*56 or 64"):
+        ctx.get_per_replica_batch_size(60)
+    assert "mask_key" not in str(pytest.raises(ValueError, ctx.get_per_replica_batch_size, 60)
+                                 .value)
+
+
+_TWO_PROCESS_SCRIPT = '''
+import json, sys
+import numpy as np
+import distrain as dt
+
+strategy = dt.MultiWorkerMirroredStrategy()
+data = np.arange(64, dtype=np.float32)
+
+def dataset_fn(ctx):
+    per_replica = ctx.get_per_replica_batch_size(16)  # 16 over 2 x 2 replicas: 4
+    mine = data[ctx.input_pipeline_id :: ctx.num_input_pipelines]
+    return [{"x": mine[i : i + per_replica]} for i in range(0, len(mine), per_replica)]
+
+steps = []
+for batch in strategy.distribute_datasets_from_function(dataset_fn):
+    local = [np.asarray(s["x"]).tolist() for s in strategy.experimental_local_results(batch)]
+    steps.append({"local": local, "global": np.asarray(strategy.gather(batch)["x"]).tolist()})
+print("RESULT " + json.dumps(steps), flush=True)
+'''
+
+
+def test_tf_pattern_on_two_processes(tmp_path):
+    """2 processes x 2 devices: each replica gets its own per-replica batch (4 rows)."""
+    import json
+    import os
+    import sys
+
+    from distrain.cluster.launch import free_port
+    from tests.processes import run_together
+
+    script = tmp_path / "tf_input.py"
+    script.write_text(_TWO_PROCESS_SCRIPT)
+    port = free_port()
+    jobs = []
+    for pid in range(2):
+        env = {k: v for k, v in os.environ.items()
+               if not k.startswith(("DISTRAIN_", "SLURM_")) and k != "TF_CONFIG"}
+        env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+                   DISTRAIN_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", DISTRAIN_NUM_PROCESSES="2",
+                   DISTRAIN_PROCESS_ID=str(pid), DISTRAIN_TIMEOUT_SECONDS="20")
+        jobs.append(([sys.executable, str(script)], env))
+    results = run_together(jobs, 90)
+    data = np.arange(64)
+    for pid, (code, log, _) in enumerate(results):
+        assert code == 0, log[-3000:]
+        steps = json.loads(log.split("RESULT ", 1)[1].splitlines()[0])
+        assert len(steps) == 4
+        mine = data[pid::2]
+        for s, step in enumerate(steps):
+            # This process's replicas get consecutive per-replica batches of its shard.
+            assert step["local"] == [mine[(2 * s + r) * 4:(2 * s + r + 1) * 4].tolist()
+                                     for r in range(2)]
+            expected = np.concatenate([data[p::2][8 * s:8 * s + 8] for p in range(2)])
+            assert step["global"] == expected.tolist()
