@@ -39,8 +39,20 @@ def test_train_step_doc_runs(devices, capsys):
     assert ns["probs"].shape == (359, 10)
 
 
-@pytest.mark.parametrize(
-    "name", ["custom_training_loops.md", "migrating_from_tf.md", "strategies.md", "scaling.md"]
-)
+# What each document's code must have produced (beyond running without an error).
+OUTCOMES = {
+    "custom_training_loops.md": lambda ns: int(ns["state"].step) > 0 and ns["step"] > 0,
+    "migrating_from_tf.md": lambda ns: (
+        ns["history"].history["loss"] and float(ns["weights"]["w"]) < 1.0
+    ),
+    "strategies.md": lambda ns: (
+        int(ns["state"].step) == 1 and float(ns["strategy"].reduce("sum", ns["one"])) == 8
+    ),
+    "scaling.md": lambda ns: int(ns["state"].step) == 1 and "w1" in ns["state"].params,
+}
+
+
+@pytest.mark.parametrize("name", list(OUTCOMES))
 def test_other_docs_python_runs(name, devices):
-    run_blocks(name)
+    ns = run_blocks(name)
+    assert OUTCOMES[name](ns)

@@ -15,8 +15,10 @@ Separation of concerns:
   and reading them only every ``log_every`` steps, validation, callbacks, and the
   progress record (epoch, step, history, data position) that checkpoints store.
 
-The loop never waits for the device except to log (every ``log_every`` steps), at
-epoch ends, and when a callback reads values (e.g. a checkpoint save).
+The loop reads values from the device only to log (every ``log_every`` steps), at
+epoch ends, and when a callback reads them (e.g. a checkpoint save). Otherwise it
+waits only to keep at most two dispatches in flight (``strategy.run`` waits for
+dispatch ``i-2`` before queueing ``i``), so the host runs ahead of the devices.
 """
 
 from __future__ import annotations
