@@ -144,3 +144,21 @@ def test_tuple_batches_reach_the_step_as_tuples(devices):
     assert set(seen) == {"tuple"}
     losses = history.history["loss"]
     assert losses[-1] < losses[0] / 2
+
+
+def test_short_last_batch_of_an_array_pipeline_names_its_own_options(devices):
+    strategy = dt.MirroredStrategy()
+    x, y = np.ones((60, 2), np.float32), np.ones(60, np.int32)
+    tuples = dt.data.ArrayPipeline((x, y), global_batch_size=16, num_epochs=1,
+                                   drop_remainder=False)
+    with pytest.raises(ValueError, match=r"last global batch size \(12\).*first \(16\).*"
+                       r"ArrayPipeline\(\.\.\., drop_remainder=True\).*mask_key needs dict data"):
+        _all(strategy, tuples)
+    dicts = dt.data.ArrayPipeline({"x": x}, global_batch_size=16, num_epochs=1,
+                                  drop_remainder=False)
+    with pytest.raises(ValueError, match=r"ArrayPipeline\(\.\.\., mask_key='mask'\)"):
+        _all(strategy, dicts)
+    # What the message says works.
+    fixed = dt.data.ArrayPipeline({"x": x}, global_batch_size=16, num_epochs=1,
+                                  drop_remainder=False, mask_key="mask")
+    assert len(_all(strategy, fixed)) == 4

@@ -469,14 +469,21 @@ class DistributedIterator:
         n = _local_replicas(strategy) if local else strategy.num_replicas_in_sync
         if size % n == 0:
             return
-        what = "this process's batch size" if local else "global batch size"
+        several = local and jax.process_count() > 1
+        what = "batch size of this process" if several else "global batch size"
         if size < full:
-            fixes = "InputOptions(drop_remainder=True) to drop it"
+            # Name the options of what the user built: an ArrayPipeline pads or drops
+            # itself; any other source is handled by the distributed dataset's options.
+            pipe = "ArrayPipeline" if hasattr(self._ds._dataset, "mask_key") else None
+            opts = f"{pipe}(..., " if pipe else "InputOptions("
+            fixes = f"{opts}drop_remainder=True) to drop it"
             if isinstance(batch, dict):
                 fixes += (
-                    f", or InputOptions(mask_key='mask') to pad it to {full} rows with a mask "
+                    f", or {opts}mask_key='mask') to pad it to {full} rows with a mask "
                     "for dt.compute_average_loss(..., mask=batch['mask'])"
                 )
+            elif pipe:
+                fixes += " (mask_key needs dict data: {'x': x, 'y': y} instead of (x, y))"
             raise ValueError(
                 f"The last {what} ({size}) is smaller than the first ({full}) and not divisible "
                 f"by the number of replicas ({n}). Pass {fixes}."
