@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import threading
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -123,25 +122,8 @@ class ValueContext:
     num_replicas_in_sync: int
 
 
-# The context made for the dataset_fn being called, so that the DistributedDataset made
-# from its result right after (Strategy.distribute_datasets_from_function) can read what
-# it asked (see InputContext). Per thread: input_context, dataset_fn and the dataset's
-# construction happen in one call.
-_pending = threading.local()
-
-
 def input_context(strategy: Strategy) -> InputContext:
-    ctx = InputContext(jax.process_count(), jax.process_index(), strategy.num_replicas_in_sync)
-    _pending.value = (strategy, ctx)
-    return ctx
-
-
-def _take_pending_context(strategy: Strategy) -> InputContext | None:
-    pending = getattr(_pending, "value", None)
-    _pending.value = None
-    if pending is not None and pending[0] is strategy:
-        return pending[1]
-    return None
+    return InputContext(jax.process_count(), jax.process_index(), strategy.num_replicas_in_sync)
 
 
 def _multiples(n: int, k: int) -> str:
@@ -313,8 +295,6 @@ class DistributedDataset:
         self._strategy = strategy
         self._dataset = dataset
         self._options = options or InputOptions()
-        if process_local is True and input_context is None:
-            input_context = _take_pending_context(strategy)  # from dataset_fn's call
         if process_local is None:
             process_local = bool(getattr(dataset, "process_local", False))
         self._process_local = process_local

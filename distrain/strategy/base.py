@@ -344,12 +344,16 @@ class Strategy(abc.ABC):
         return DistributedDataset(self, dataset, options)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[Any], Any], options=None):
-        """Calls ``dataset_fn(dt.InputContext)`` on each process; it yields that process's rows."""
+        """Calls ``dataset_fn(dt.InputContext)`` on each process; it yields that process's
+        rows, or (TF's form, batched by ``ctx.get_per_replica_batch_size``) one
+        per-replica batch per local replica and step."""
         from distrain.data.distributed import DistributedDataset, input_context
 
         context.require_cross_replica(self, "distribute_datasets_from_function")
-        dataset = dataset_fn(input_context(self))
-        return DistributedDataset(self, dataset, options, process_local=True)
+        ctx = input_context(self)
+        return DistributedDataset(
+            self, dataset_fn(ctx), options, process_local=True, input_context=ctx
+        )
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[Any], Any]):
         """Builds a ``PerReplica`` from ``value_fn(ctx)`` called once per local replica.
