@@ -75,7 +75,7 @@ def _tracers(value: Any) -> bool:
     return any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(value))
 
 
-def _captured(fn: Any, depth: int = 3, seen: set[int] | None = None) -> dict[str, Any]:
+def _captured(fn: Any, depth: int = 6, seen: set[int] | None = None) -> dict[str, Any]:
     """The global and enclosing variables ``fn`` reads, and those of the functions it
     reads that are not library code (trace-time diagnostics only)."""
     seen = set() if seen is None else seen

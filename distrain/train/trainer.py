@@ -35,7 +35,7 @@ import numpy as np
 from distrain.context import get_strategy
 from distrain.strategy.base import Strategy
 from distrain.train import _functions as F
-from distrain.train import _inference
+from distrain.train import _inference, _input
 from distrain.train.accumulation import accumulate_gradients
 from distrain.train.callbacks.base import Callback, CallbackList, StepInfo
 from distrain.train.callbacks.control import TerminateOnNaN
@@ -129,6 +129,12 @@ class Trainer:
       grad_accum_steps: split each batch into this many micro-batches and apply their
         summed gradients once (``dt.accumulate_gradients``): the same update as one step
         on the whole batch, with the activations of one micro-batch in memory at a time.
+      input_mode: for ``fit`` on a ``dt.data.ArrayPipeline``: ``"device"`` places its
+        arrays on the devices once and gathers each batch inside the compiled step
+        (row ids are all that crosses per step); ``"host"`` gathers on the host;
+        ``"auto"`` (default) picks device when the arrays take at most a quarter of a
+        device's memory. The choice is ``trainer.input_mode``; batches, results and
+        checkpointed positions are the same in both modes.
       donate_state: let XLA update the state in place (``donate_argnums``), saving a
         copy of it per step. ``fit`` copies the state you pass in once, so your arrays
         stay valid; a callback that keeps ``trainer.state`` for later must keep
@@ -159,6 +165,7 @@ class Trainer:
         mask_key: str | None = "mask",
         donate_state: bool = True,
         grad_accum_steps: int = 1,
+        input_mode: str = "auto",
     ) -> None:
         self.strategy: Strategy = strategy if strategy is not None else get_strategy()
         _check_strategy(self.strategy)
@@ -171,6 +178,7 @@ class Trainer:
                 raise TypeError(f"`{name}` must be a function. Received: {fn!r}.")
         self.train_step = train_step
         self.grad_accum_steps = _positive_int("grad_accum_steps", grad_accum_steps)
+        self._input_mode = _input.check_mode(input_mode)
         # One optimizer update per batch, over grad_accum_steps micro-batches of it.
         self._step_fn = (
             accumulate_gradients(train_step, self.grad_accum_steps, mask_key=mask_key)
@@ -226,6 +234,9 @@ class Trainer:
         self._passes: PassIterator | None = None
         self._cbs: CallbackList | None = None
         self._calibration: float | None = None
+        self._resident: _input.Resident | None = None
+        self._fit_step = self._step_fn
+        self.input_mode: str | None = None
         self._warned_not_finite = False
 
     def progress(self) -> dict[str, Any]:
@@ -326,8 +337,15 @@ class Trainer:
             )
         if epochs is None and steps is None:
             epochs = 1
-        dist = _inference.distribute(self.strategy, data)
         self._reset_progress()
+        # In-memory data that fits goes to the devices once; steps then read row ids.
+        self.input_mode, self._resident = _input.choose(self.strategy, data, self._input_mode)
+        step_fn = self._step_fn
+        if self._resident is not None:
+            data = self._resident.index_pipeline()
+            step_fn = self._resident.gathering(step_fn)
+        self._fit_step = step_fn
+        dist = _inference.distribute(self.strategy, data)
         self.epochs, self.steps = epochs, steps
         self.steps_per_epoch = (
             _positive_int("steps_per_epoch", steps_per_epoch)
@@ -451,9 +469,11 @@ class Trainer:
         )
 
     def _dispatch(self, batches: list[Any]) -> None:
+        if self._resident is not None:
+            batches = [self._resident.batch(b) for b in batches]
         if self._acc is None:
             shapes = F.trace_shapes(
-                self.strategy, F.make_metrics_fn(self._step_fn), (self.state, batches[0])
+                self.strategy, F.make_metrics_fn(self._fit_step), (self.state, batches[0])
             )
             self._layout = F.Layout(shapes)
             self._zero_acc = F.per_replica_zeros(self.strategy, self._layout.size)
@@ -462,7 +482,7 @@ class Trainer:
         groups = [batches] if len(batches) == k else [[b] for b in batches]
         first = self.global_step == self.initial_step
         for group in groups:
-            fn = F.make_train_fn(self._step_fn, len(group))
+            fn = F.make_train_fn(self._fit_step, len(group))
             self.state, self._acc = self.strategy.run(
                 fn, args=(self.state, self._acc, *group), donate_argnums=self._donate
             )

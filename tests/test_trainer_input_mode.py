@@ -1,0 +1,123 @@
+"""Device-resident input: ArrayPipeline data placed once, batches gathered in the step.
+
+The batches are the host pipeline's value for value, so training gives the same
+parameters, checkpointed positions are interchangeable between the modes, and only
+row ids cross to the devices per step.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import distrain as dt
+from distrain.train import _input
+from tests.linear_problem import new_state, problem, train_step
+
+
+@pytest.fixture(scope="module")
+def mirrored():
+    strategy = dt.MirroredStrategy()
+    assert strategy.num_replicas_in_sync == 8
+    return strategy
+
+
+def masked_step(state, batch):
+    def loss_fn(p):
+        pred = batch["x"] @ p["w"] + p["b"]
+        return dt.compute_average_loss((pred - batch["y"]) ** 2, mask=batch["mask"])
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {
+        "loss": dt.metrics.Mean.from_values((batch["x"] @ state.params["w"]) ** 2, batch["mask"]),
+        # Padded rows are zeros in both modes: a sum over all rows shows it.
+        "x_sum": dt.metrics.Sum.from_values(jnp.sum(batch["x"], -1)),
+    }
+
+
+def pipe(**kw):
+    args = dict(global_batch_size=32, seed=4, num_epochs=None)
+    args.update(kw)
+    return dt.data.ArrayPipeline(problem(100), **args)
+
+
+@pytest.mark.parametrize(
+    "kw, step",
+    [
+        ({}, train_step),
+        ({"num_epochs": 2, "drop_remainder": False, "mask_key": "mask"}, masked_step),
+    ],
+    ids=["full_batches", "padded_last_batch"],
+)
+def test_device_mode_trains_exactly_like_host_mode(mirrored, kw, step):
+    results = {}
+    for mode in ("host", "device"):
+        trainer = dt.Trainer(mirrored, step, input_mode=mode, steps_per_execution=2)
+        state, history = trainer.fit(new_state(), pipe(**kw), epochs=2)
+        assert trainer.input_mode == mode
+        results[mode] = (state, history.history)
+    # The same batches; XLA may fuse the gather into what reads it, so equal up to the
+    # rounding of a different summation order.
+    for a, b in zip(
+        jax.tree.leaves(results["host"][0]), jax.tree.leaves(results["device"][0]), strict=True
+    ):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+    for key, values in results["host"][1].items():
+        np.testing.assert_allclose(values, results["device"][1][key], rtol=1e-6)
+
+
+def test_auto_chooses_device_for_small_data_and_host_otherwise(mirrored, monkeypatch):
+    trainer = dt.Trainer(mirrored, train_step)
+    trainer.fit(new_state(), pipe(), steps=2)
+    assert trainer.input_mode == "device"
+    monkeypatch.setattr(_input, "device_memory_bytes", lambda strategy: 1000)  # tiny devices
+    trainer.fit(new_state(), pipe(), steps=2)
+    assert trainer.input_mode == "host"
+    trainer.fit(new_state(), [problem(32)], steps=1)  # not an ArrayPipeline
+    assert trainer.input_mode == "host"
+
+
+def test_only_row_ids_cross_per_step(mirrored):
+    trainer = dt.Trainer(mirrored, train_step, input_mode="device")
+    seen = []
+    original = trainer._dispatch
+
+    def spy(batches):
+        seen.extend(batches)
+        original(batches)
+
+    trainer._dispatch = spy
+    trainer.fit(new_state(), pipe(), steps=3)
+    for ids in seen:
+        assert isinstance(ids, dt.PerReplica)
+        leaves = jax.tree.leaves(ids.value)
+        assert [x.dtype for x in leaves] == [np.int32] and leaves[0].shape == (32,)
+
+
+def test_a_checkpoint_resumes_across_modes(mirrored, tmp_path):
+    full, _ = dt.Trainer(mirrored, train_step, input_mode="host").fit(new_state(), pipe(), steps=8)
+    backup = dt.callbacks.BackupAndRestore(tmp_path / "b", save_freq=4)
+
+    class Stop(dt.callbacks.Callback):
+        def on_train_batch_end(self, info):
+            if info.step == 4:
+                raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        dt.Trainer(mirrored, train_step, input_mode="host", callbacks=[backup, Stop()]).fit(
+            new_state(), pipe(), steps=8
+        )
+    resumed, _ = dt.Trainer(mirrored, train_step, input_mode="device", callbacks=[backup]).fit(
+        new_state(), pipe(), steps=8
+    )
+    for a, b in zip(jax.tree.leaves(full), jax.tree.leaves(resumed), strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7)
+
+
+def test_a_bad_mode_is_refused(mirrored):
+    with pytest.raises(ValueError, match="`input_mode` must be one of.*'gpu'"):
+        dt.Trainer(mirrored, train_step, input_mode="gpu")
+
+
+def test_device_memory_has_a_cpu_fallback(mirrored):
+    assert _input.device_memory_bytes(mirrored) > 2**20
