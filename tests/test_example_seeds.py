@@ -177,7 +177,7 @@ def test_speed_test_prints_both_timings(capsys):
     normal, dist = main.main(["--epochs", "1", "--timeout", "120"])
     out = capsys.readouterr().out
     assert normal["num_devices"] == 1 and dist["num_devices"] == 8
-    assert normal["steps"] == dist["steps"] == 1437 // 200
+    assert normal["steps"] == dist["steps"] == 1438 // 200
     for run in (normal, dist):
         assert run["total_seconds"] > 0 and run["steps_per_second"] > 0
         assert math.isfinite(run["final_loss"]) and run["final_loss"] < math.log(10)

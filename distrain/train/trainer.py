@@ -320,6 +320,9 @@ class Trainer:
 
         Raises:
           ValueError: no ``train_step``; bad arguments.
+          TypeError: whole arrays (a dict of arrays, an array, an ``(x, y)`` tuple)
+            instead of batches: wrap them in ``dt.data.ArrayPipeline(arrays,
+            global_batch_size=...)``.
           DataEndedError: ``data`` ran out before ``steps``/``epochs`` were done.
           TypeError: ``train_step`` returned something other than ``(new_state, metrics)``.
         """

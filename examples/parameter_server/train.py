@@ -40,7 +40,7 @@ class Config:
     num_workers: int = 4
     num_ps: int = 2
     max_staleness: int | None = None  # None: asynchronous; 0: synchronous rounds
-    steps: int = 900  # worker steps: 900 x 32 examples = 20 epochs of 1,437 images
+    steps: int = 900  # worker steps: 900 x 32 examples = 20 epochs of 1,438 images
     batch_size: int = 32  # examples per worker step
     learning_rate: float = 1e-3
     hidden: tuple[int, ...] = (256, 256)
