@@ -274,7 +274,7 @@ def test_parse_address_accepts_ipv6():
 def test_communication_options_defaults_and_mapping():
     o = CommunicationOptions()
     assert o.implementation is CommunicationImplementation.AUTO
-    assert (o.initialization_timeout, o.heartbeat_timeout, o.shutdown_timeout) == (300, 100, 300)
+    assert (o.initialization_timeout, o.heartbeat_timeout, o.shutdown_timeout) == (300, 20, 300)
     assert o.cpu_collectives == "gloo"
     o = CommunicationOptions("RING", timeout_seconds=2.5, shutdown_timeout_seconds=7)
     assert o.implementation is CommunicationImplementation.RING

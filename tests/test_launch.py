@@ -23,6 +23,7 @@ from distrain.cluster import launch
 
 PY = sys.executable
 TRAIN = str(Path(__file__).parent / "scripts" / "mw_train.py")
+FAULT = str(Path(__file__).parent / "scripts" / "mw_fault.py")
 
 
 def py(code: str) -> list[str]:
@@ -66,21 +67,51 @@ def test_failure_stops_the_others_and_returns_its_status(capfd):
     assert "giving up after 1 attempt(s); exit status 7" in err
 
 
-def test_a_process_ignoring_sigterm_is_killed_after_the_grace_period(capfd, tmp_path):
-    code = (
-        "import os, signal, sys, time\n"
-        "if os.environ['DISTRAIN_PROCESS_ID'] == '1':\n"
-        "    time.sleep(1); sys.exit(1)\n"
-        "signal.signal(signal.SIGTERM, lambda *a: print('ignoring SIGTERM', flush=True))\n"
-        f"open({str(tmp_path / 'pid')!r}, 'w').write(str(os.getpid()))\n"
-        "while True: time.sleep(0.1)"
-    )
+IGNORE_SIGTERM = (
+    "import os, signal, sys, time\n"
+    "signal.signal(signal.SIGTERM, lambda *a: print('ignoring SIGTERM', flush=True))\n"
+    "open(os.path.join({dir!r}, os.environ['DISTRAIN_PROCESS_ID']), 'w').write(str(os.getpid()))\n"
+    "if os.environ['DISTRAIN_PROCESS_ID'] == '1' and {fail}:\n"
+    "    time.sleep(1); sys.exit(1)\n"
+    "while True: time.sleep(0.1)"
+)
+
+
+def _assert_all_gone(pid_dir: Path) -> None:
+    for pid_file in pid_dir.iterdir():
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(pid_file.read_text()), 0)
+
+
+def test_after_a_failure_the_others_are_killed_at_once(capfd, tmp_path):
+    # Process 0 ignores SIGTERM (as JAX's preemption service makes a process do); the
+    # launcher must not wait out the grace period before restarting.
+    code = IGNORE_SIGTERM.format(dir=str(tmp_path), fail=True)
     start = time.monotonic()
-    assert launch.main(["--nproc", "2", "--grace-period", "1"] + py(code)) == 1
+    assert launch.main(["--nproc", "2", "--grace-period", "60"] + py(code)) == 1
     assert time.monotonic() - start < 20
-    assert "[0] ignoring SIGTERM" in capfd.readouterr().out
-    with pytest.raises(ProcessLookupError):
-        os.kill(int((tmp_path / "pid").read_text()), 0)
+    assert "ignoring SIGTERM" not in capfd.readouterr().out
+    _assert_all_gone(tmp_path)
+
+
+def test_a_stopped_launcher_kills_a_process_ignoring_sigterm_after_the_grace_period(tmp_path):
+    code = IGNORE_SIGTERM.format(dir=str(tmp_path), fail=False)
+    argv = [PY, "-m", "distrain.cluster.launch", "--nproc", "2", "--grace-period", "1"]
+    proc = subprocess.Popen(argv + py(code), start_new_session=True, stdout=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        # A pid file is written after its process installed the SIGTERM handler.
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=20)
+        assert proc.returncode == 130
+        assert b"[0] ignoring SIGTERM" in out and b"[1] ignoring SIGTERM" in out
+        _assert_all_gone(tmp_path)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 def test_restarts_after_a_failure_until_success(capfd):
@@ -241,3 +272,31 @@ def test_a_command_that_cannot_start_is_one_error_and_no_restart(
     # One error, no restart loop, no traceback; usually caught before anything starts.
     assert "Traceback" not in err and "restarting" not in err
     assert err.count("starting 2 processes") <= 1
+
+
+def test_a_worker_error_is_restarted_within_seconds(tmp_path):
+    # Process 1 raises after step 3 on the first attempt. Before distrain's fail-fast exit
+    # it then waited in JAX's shutdown barrier for 300 s, and so did the restart.
+    cmd = [PY, "-m", "distrain.cluster.launch", "--nproc", "2", "--devices-per-proc", "1"]
+    cmd += ["--max-restarts", "1", "--", PY, FAULT, "--fault", "raise", "--steps", "5"]
+    proc = subprocess.Popen(
+        cmd,
+        env=_train_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log = out.decode(errors="replace")
+    assert proc.returncode == 0, log
+    assert "[launch] process 1 exited with status 1; stopping the other processes" in log
+    assert "[launch] restarting all processes (1 of 1)" in log
+    fault = float(re.search(r"^\[1\] fault (\S+)$", log, re.M).group(1))
+    # The last "step 1" of process 0 is the restarted attempt's first step.
+    restarted = float(re.findall(r"^\[0\] step 1 (\S+)$", log, re.M)[-1])
+    assert 0 < restarted - fault < 25, log  # includes starting Python and JAX again

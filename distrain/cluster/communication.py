@@ -16,7 +16,8 @@ Timeouts map to `jax.distributed.initialize`: `timeout_seconds` (TensorFlow's
 name) bounds both how long start-up waits for every process to join
 (`initialization_timeout`) and how long the survivors wait before giving up on
 a peer that stopped sending heartbeats (`heartbeat_timeout_seconds`); the three
-`*_timeout_seconds` fields override one each.
+`*_timeout_seconds` fields override one each. None of them bounds a collective
+waiting for a peer that is alive but stuck (that peer still sends heartbeats).
 
 Example:
     >>> opts = CommunicationOptions("ring", timeout_seconds=30)
@@ -36,9 +37,15 @@ from collections.abc import Mapping
 ENV_TIMEOUT_SECONDS = "DISTRAIN_TIMEOUT_SECONDS"
 ENV_COLLECTIVES = "DISTRAIN_COLLECTIVES"
 
-# jax.distributed.initialize's own defaults (jax 0.10), used when nothing is set.
+# Used when nothing is set. Start-up and shutdown keep jax.distributed.initialize's
+# defaults (jax 0.10: 300 s each). The heartbeat timeout is shorter than JAX's 100 s:
+# it is how long a process that is not in a collective with a dead peer (e.g. one
+# that finished and waits in the shutdown barrier) lives on before the coordination
+# service ends it. Heartbeats come from a C++ thread (a long compile or a busy
+# Python thread does not delay them), so 20 s only misfires on a process frozen
+# that long (stopped, swapping).
 DEFAULT_INITIALIZATION_TIMEOUT = 300
-DEFAULT_HEARTBEAT_TIMEOUT = 100
+DEFAULT_HEARTBEAT_TIMEOUT = 20
 DEFAULT_SHUTDOWN_TIMEOUT = 300
 
 
@@ -69,9 +76,11 @@ class CommunicationOptions:
         implementation: "auto" (default), "ring" or "nccl", or a
             `CommunicationImplementation`; case-insensitive.
         timeout_seconds: bounds start-up and the detection of a dead peer; None
-            keeps JAX's defaults (300 s to start, 100 s heartbeat).
+            keeps the defaults (300 s to start, 20 s heartbeat).
         initialization_timeout_seconds: overrides the start-up bound.
-        heartbeat_timeout_seconds: overrides the dead-peer bound.
+        heartbeat_timeout_seconds: overrides the dead-peer bound: a process
+            that sent no heartbeat for this long is declared dead and the
+            coordination service ends every other process (default 20 s).
         shutdown_timeout_seconds: how long a finishing process waits for the
             others at exit (JAX default 300 s).
 

@@ -9,10 +9,12 @@ reads (DISTRAIN_COORDINATOR_ADDRESS=127.0.0.1:<free port>, DISTRAIN_NUM_PROCESSE
 DISTRAIN_PROCESS_ID, DISTRAIN_LOCAL_DEVICES, and XLA_FLAGS for K virtual CPU
 devices), prefixes every output line with "[i] ", and waits.
 
-When a process exits with a non-zero status (or is killed), the launcher stops
-the others (SIGTERM to each process group, SIGKILL after `--grace-period`) and
-starts all N again on a fresh port, up to `--max-restarts` times; the program
-resumes from its latest checkpoint. DISTRAIN_RESTART_COUNT tells it which attempt
+When a process exits with a non-zero status (or is killed), the launcher kills
+the others at once (SIGKILL to each process group: without the failed process
+they cannot save anyway) and starts all N again on a fresh port, up to
+`--max-restarts` times; the program resumes from its latest checkpoint. When the
+launcher itself is stopped (SIGTERM, Ctrl-C) it sends SIGTERM to each process
+group and SIGKILL after `--grace-period`. DISTRAIN_RESTART_COUNT tells it which attempt
 it is. The launcher's exit status is the last attempt's: 0, the failing
 process's status, or 128+signal for a process killed by a signal. A program
 that cannot be started is one error line and no restart: status 127 (not
@@ -108,15 +110,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_positive_float,
         default=None,
         metavar="S",
-        help="seconds the processes wait for each other to start and for a silent peer "
-        "before exiting with an error (DISTRAIN_TIMEOUT_SECONDS; default: JAX's 300/100 s)",
+        help="sets DISTRAIN_TIMEOUT_SECONDS: every process must join within S s, and a process "
+        "that sends no heartbeat for S s counts as dead, which ends the others "
+        "(default: 300 s to join, 20 s heartbeat)",
     )
     parser.add_argument(
         "--grace-period",
         type=_positive_float,
         default=5.0,
         metavar="S",
-        help="seconds between SIGTERM and SIGKILL when stopping processes (default 5)",
+        help="when the launcher is stopped (SIGTERM, Ctrl-C): seconds between SIGTERM and "
+        "SIGKILL to the processes (default 5; after a failure they are killed at once)",
     )
     parser.add_argument(
         "command", nargs=argparse.REMAINDER, help="-- then the program and its arguments"
@@ -193,6 +197,15 @@ def _signal_group(proc: subprocess.Popen, sig: int) -> None:
         os.killpg(proc.pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    """SIGKILLs every process group still running and reaps the processes."""
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGKILL)
+    for p in procs:
+        p.wait()
 
 
 def _stop(procs: list[subprocess.Popen], grace: float) -> None:
@@ -287,6 +300,11 @@ class _Launcher:
                 pump.start()
                 pumps.append(pump)
             failure = self._wait(procs)
+            if failure is not None:
+                # At once, no grace period: the others cannot save a checkpoint without
+                # the failed process (a save is collective), and JAX's preemption
+                # service swallows SIGTERM in them anyway.
+                _kill(procs)
         finally:
             _stop(procs, self.args.grace_period)
             for pump in pumps:

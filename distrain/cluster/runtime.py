@@ -30,11 +30,14 @@ Example:
 from __future__ import annotations
 
 import collections
+import json
+import logging
 import os
 import socket
 import sys
 import threading
 import time
+from typing import Any
 
 import jax
 
@@ -245,16 +248,25 @@ def initialize_distributed(
                     f"but the cluster resolver says process {want[1]} of {want[0]}. Initialise "
                     "once, from the same cluster description."
                 )
+            _check_devices(resolver, options)
         elif resolver.num_processes > 1:
-            _join(resolver, options)
+            timeout = _join(resolver, options)
+            _check_cluster(resolver, options, timeout)
+            # Only now: a start-up error above is raised by every process, which then
+            # leave together through JAX's shutdown barrier, each with its own message.
+            if _fail_fast_enabled():
+                _install_fail_fast(
+                    resolver.process_id, resolver.num_processes, options.heartbeat_timeout
+                )
         else:
             _set_local_devices(resolver)
-        _check_devices(resolver, options)
+            _check_devices(resolver, options)
         _joined = key
     return resolver
 
 
-def _join(resolver: ClusterResolver, options: CommunicationOptions) -> None:
+def _join(resolver: ClusterResolver, options: CommunicationOptions) -> int:
+    """Starts jax.distributed; returns the start-up seconds left for the checks."""
     if _backend_initialized():
         raise RuntimeError(
             "JAX has already created its devices in this process, so it can no longer join a "
@@ -293,41 +305,125 @@ def _join(resolver: ClusterResolver, options: CommunicationOptions) -> None:
             )
     finally:
         watchdog.cancel()
-    _check_process_counts(resolver.num_processes, resolver.process_id, timeout)
+    return timeout
 
 
-# Key prefix in the coordination service's key-value store for the process-count check.
-_COUNT_KEY = "distrain/cluster/expected_num_processes"
+# Set to "0" to keep Python's normal exit after an uncaught exception (see _install_fail_fast).
+ENV_FAIL_FAST = "DISTRAIN_FAIL_FAST"
+# Exit status of a process ended by an uncaught exception (Python's own is 1 too).
+EXIT_UNCAUGHT = 1
 
 
-def _check_process_counts(expected: int, process_id: int, timeout: float) -> None:
-    """Raises in every process unless all processes were started with the same count.
+def _fail_fast_enabled() -> bool:
+    value = os.environ.get(ENV_FAIL_FAST, "1").strip().lower()
+    if value in ("", "1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{ENV_FAIL_FAST} must be 1 or 0. Received: {value!r}.")
 
-    The coordination service takes its size from process 0 only: a process started
-    with another DISTRAIN_NUM_PROCESSES but a valid id joins without complaint.
-    Every process publishes its expected count and reads everyone's, so each raises
-    the same error.
+
+def _install_fail_fast(process_id: int, num_processes: int, heartbeat_timeout: int) -> None:
+    """After an uncaught exception, print it and exit at once with status 1 (130 for Ctrl-C).
+
+    A normal interpreter exit runs JAX's atexit hook, which waits in the
+    coordination service's shutdown barrier until every process arrives: after an
+    error the others never do (they are blocked in a collective with this process,
+    or dead), so the failed process would stay alive for the heartbeat timeout
+    (100 s) or the shutdown timeout (300 s), and `distrain launch` could not restart
+    the job before that. Exiting with `os._exit` closes this process's sockets at
+    once, so a peer blocked in a collective with it fails at once too and, through
+    this same hook, exits as well.
+
+    What is skipped: atexit handlers and object finalizers (a temporary directory
+    may stay behind; an unfinished asynchronous checkpoint stays uncommitted, which
+    restore ignores). Standard output, standard error and `logging` are flushed
+    first. Only uncaught exceptions take this path; `sys.exit(n)` and a normal
+    return keep the normal exit (and its barrier).
     """
+    previous = sys.excepthook
+
+    def excepthook(exc_type: type[BaseException], exc: BaseException, tb: Any) -> None:
+        status = 130 if issubclass(exc_type, KeyboardInterrupt) else EXIT_UNCAUGHT
+        try:
+            previous(exc_type, exc, tb)
+            sys.stderr.write(
+                f"distrain: error: process {process_id} of {num_processes} stopped on an "
+                f"uncaught {exc_type.__name__}; exiting now with status {status} instead of "
+                "waiting in JAX's shutdown barrier for the other processes (they end when "
+                "their next collective with this process fails, or after the heartbeat "
+                f"timeout of {heartbeat_timeout} s). Set {ENV_FAIL_FAST}=0 to keep Python's "
+                "normal exit.\n"
+            )
+            for stream in (sys.stdout, sys.stderr):
+                try:
+                    stream.flush()
+                except Exception:  # a closed or broken stream must not block the exit
+                    pass
+            logging.shutdown()
+        finally:
+            os._exit(status)
+
+    sys.excepthook = excepthook
+
+
+# Key prefix in the coordination service's key-value store for the start-up checks.
+_CHECK_KEY = "distrain/cluster/startup_check"
+
+
+def _check_cluster(resolver: ClusterResolver, options: CommunicationOptions, timeout: int) -> None:
+    """The start-up checks, agreed on by all processes: if one fails, every process raises.
+
+    Each process checks its devices and publishes the result with the number of
+    processes it was started with (JAX sizes the cluster from process 0 alone, so
+    a process started with another DISTRAIN_NUM_PROCESSES but a valid id joins
+    without complaint); then every process reads every report.
+
+    Raises:
+        RuntimeError: the processes disagree on the number of processes, or a
+            process failed its own checks (its message, or one naming it).
+        ValueError: this process's collectives cannot run on its platform.
+    """
+    problem: Exception | None = None
+    try:
+        _check_devices(resolver, options)
+    except (RuntimeError, ValueError) as e:
+        problem = e
     try:
         from jax._src import distributed as jax_distributed
 
         client = jax_distributed.global_state.client
     except (ImportError, AttributeError):  # pragma: no cover - depends on the JAX version
-        return
+        client = None
     if client is None:  # pragma: no cover - initialize() always creates one
+        if problem is not None:
+            raise problem
         return
+    pid = resolver.process_id
     timeout_ms = max(1000, int(timeout * 1000))
-    client.key_value_set(f"{_COUNT_KEY}/{process_id}", str(expected))
+    report = {"num_processes": resolver.num_processes, "problem": problem and str(problem)}
+    client.key_value_set(f"{_CHECK_KEY}/{pid}", json.dumps(report))
+    def read(process: int) -> dict:
+        return json.loads(client.blocking_key_value_get(f"{_CHECK_KEY}/{process}", timeout_ms))
+
     # The cluster's real size is process 0's; every one of its processes has connected.
-    actual = int(client.blocking_key_value_get(f"{_COUNT_KEY}/0", timeout_ms))
-    counts = {0: actual}
-    for other in range(1, actual):
-        counts[other] = int(client.blocking_key_value_get(f"{_COUNT_KEY}/{other}", timeout_ms))
+    reports = {0: read(0)}
+    for other in range(1, reports[0]["num_processes"]):
+        reports[other] = read(other)
+    counts = {p: r["num_processes"] for p, r in reports.items()}
     if len(set(counts.values())) > 1:
         listing = ", ".join(f"process {p} expects {n}" for p, n in sorted(counts.items()))
         raise RuntimeError(
             f"The processes disagree on the number of processes in the job: {listing} (this "
-            f"is process {process_id}; the cluster has process 0's {actual}). Expected every "
+            f"is process {pid}; the cluster has process 0's {counts[0]}). Expected every "
             "process to start with the same DISTRAIN_NUM_PROCESSES (or TF_CONFIG / Slurm "
             "task count); fix the launch command and start all of them again."
+        )
+    if problem is not None:
+        raise problem
+    failed = [(p, r["problem"]) for p, r in sorted(reports.items()) if r["problem"]]
+    if failed:
+        p, message = failed[0]
+        raise RuntimeError(
+            f"Process {p} failed its start-up checks, so process {pid} stops too: {message}"
         )
