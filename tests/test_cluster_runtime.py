@@ -136,3 +136,12 @@ def test_one_process_strategy_matches_mirrored(devices):
             results.append((np.asarray(state.params["w"]), float(s.reduce("sum", loss))))
     np.testing.assert_allclose(results[0][0], results[1][0], rtol=1e-6)
     np.testing.assert_allclose(results[0][1], results[1][1], rtol=1e-6)
+
+
+def test_fail_fast_switch(monkeypatch):
+    for value, enabled in (("", True), ("1", True), ("0", False), ("off", False)):
+        monkeypatch.setenv("DISTRAIN_FAIL_FAST", value)
+        assert runtime._fail_fast_enabled() is enabled
+    monkeypatch.setenv("DISTRAIN_FAIL_FAST", "sometimes")
+    with pytest.raises(ValueError, match=r"FAIL_FAST must be 1 or 0\. Received: 'sometimes'"):
+        runtime._fail_fast_enabled()

@@ -300,3 +300,41 @@ def test_a_worker_error_is_restarted_within_seconds(tmp_path):
     # The last "step 1" of process 0 is the restarted attempt's first step.
     restarted = float(re.findall(r"^\[0\] step 1 (\S+)$", log, re.M)[-1])
     assert 0 < restarted - fault < 25, log  # includes starting Python and JAX again
+
+
+GPU_ENV = (
+    "import os; e = os.environ; print(e['DISTRAIN_PROCESS_ID'], e['CUDA_VISIBLE_DEVICES'], "
+    "e['DISTRAIN_LOCAL_DEVICES'], 'JAX_LOCAL_DEVICE_IDS' in e, 'DISTRAIN_LOCAL_DEVICE_IDS' in e)"
+)
+
+
+@pytest.mark.parametrize(
+    "visible, expected",
+    [
+        (None, ["0 0,1 2", "1 2,3 2", "2 4,5 2"]),
+        ("7,5,3,1,0,2", ["0 7,5 2", "1 3,1 2", "2 0,2 2"]),
+    ],
+)
+def test_gpus_per_proc_gives_each_process_its_own_gpus(capfd, monkeypatch, visible, expected):
+    if visible is None:
+        monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    else:
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", visible)
+    monkeypatch.setenv("JAX_LOCAL_DEVICE_IDS", "0,1,2,3,4,5")  # whole-machine ids: dropped
+    monkeypatch.setenv("DISTRAIN_LOCAL_DEVICE_IDS", "0,1")
+    assert launch.main(["--nproc", "3", "--gpus-per-proc", "2"] + py(GPU_ENV)) == 0
+    lines = sorted(line for line in capfd.readouterr().out.splitlines() if line.startswith("["))
+    assert lines == [f"[{i}] {want} False False" for i, want in enumerate(expected)]
+
+
+def test_gpus_per_proc_errors(capfd, monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,1,2")
+    assert launch.main(["--nproc", "2", "--gpus-per-proc", "2"] + py(GPU_ENV)) == 2
+    err = capfd.readouterr().err
+    assert "needs 4 GPUs, but CUDA_VISIBLE_DEVICES lists 3 ('0,1,2')" in err
+    assert "starting" not in err
+    argv = ["--nproc", "1", "--gpus-per-proc", "1", "--devices-per-proc", "2"]
+    assert launch.main(argv + py(GPU_ENV)) == 2
+    assert "--devices-per-proc (virtual CPU devices) and --gpus-per-proc" in capfd.readouterr().err
+    with pytest.raises(SystemExit):
+        launch.main(["--nproc", "1", "--gpus-per-proc", "0", "--", "x"])

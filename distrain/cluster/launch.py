@@ -7,7 +7,9 @@ Like `torchrun` for one machine:
 starts `python train.py` twice with the variables `dt.MultiWorkerMirroredStrategy()`
 reads (DISTRAIN_COORDINATOR_ADDRESS=127.0.0.1:<free port>, DISTRAIN_NUM_PROCESSES,
 DISTRAIN_PROCESS_ID, DISTRAIN_LOCAL_DEVICES, and XLA_FLAGS for K virtual CPU
-devices), prefixes every output line with "[i] ", and waits.
+devices), prefixes every output line with "[i] ", and waits. On a GPU machine
+`--gpus-per-proc G` gives process i its own GPUs i*G .. i*G+G-1 through
+CUDA_VISIBLE_DEVICES (without it every process sees every GPU).
 
 When a process exits with a non-zero status (or is killed), the launcher kills
 the others at once (SIGKILL to each process group: without the failed process
@@ -20,8 +22,9 @@ process's status, or 128+signal for a process killed by a signal. A program
 that cannot be started is one error line and no restart: status 127 (not
 found) or 126 (not executable), as in a shell.
 
-On several machines run the program directly on each machine with the variables
-set by hand (or TF_CONFIG, or under Slurm): see docs/multi_worker.md.
+The launcher drives one machine. On several machines run the program on each
+machine with the variables set by hand (or TF_CONFIG, or under Slurm), and let
+the cluster's scheduler restart the job: see docs/multi_worker.md.
 """
 
 from __future__ import annotations
@@ -93,6 +96,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="virtual CPU devices per process (sets XLA_FLAGS and DISTRAIN_LOCAL_DEVICES)",
     )
     parser.add_argument(
+        "--gpus-per-proc",
+        type=_positive_int,
+        default=None,
+        metavar="G",
+        help="GPUs per process: process i gets GPUs i*G .. i*G+G-1 of this machine (of "
+        "CUDA_VISIBLE_DEVICES if set) through CUDA_VISIBLE_DEVICES, and DISTRAIN_LOCAL_DEVICES=G",
+    )
+    parser.add_argument(
         "--max-restarts",
         type=_non_negative_int,
         default=0,
@@ -143,9 +154,37 @@ def _child_env(args: argparse.Namespace, index: int, port: int, attempt: int) ->
         device_flag = f"--xla_force_host_platform_device_count={args.devices_per_proc}"
         env["XLA_FLAGS"] = f"{flags} {device_flag}".strip()
         env[ENV_LOCAL_DEVICES] = str(args.devices_per_proc)
+    if args.gpus_per_proc is not None:
+        gpus = _visible_gpus(os.environ, args.nproc * args.gpus_per_proc)
+        mine = gpus[index * args.gpus_per_proc : (index + 1) * args.gpus_per_proc]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+        env[ENV_LOCAL_DEVICES] = str(args.gpus_per_proc)
+        # The process sees its GPUs as ordinals 0..G-1: an inherited list of device ids
+        # (meant for the whole machine) would name GPUs it cannot see.
+        for name in ("DISTRAIN_LOCAL_DEVICE_IDS", "JAX_LOCAL_DEVICE_IDS"):
+            env.pop(name, None)
     if args.timeout is not None:
         env[ENV_TIMEOUT_SECONDS] = f"{args.timeout:g}"
     return env
+
+
+def _visible_gpus(environ: dict[str, str] | os._Environ, needed: int) -> list[str]:
+    """The GPU ids to share out: the launcher's CUDA_VISIBLE_DEVICES, else 0 .. needed-1.
+
+    Raises:
+        ValueError: CUDA_VISIBLE_DEVICES lists fewer GPUs than the processes need.
+    """
+    text = environ.get("CUDA_VISIBLE_DEVICES")
+    if text is None:
+        return [str(i) for i in range(needed)]
+    gpus = [g.strip() for g in text.split(",") if g.strip()]
+    if len(gpus) < needed:
+        raise ValueError(
+            f"--nproc x --gpus-per-proc needs {needed} GPUs, but CUDA_VISIBLE_DEVICES lists "
+            f"{len(gpus)} ({text!r}). Start fewer processes, give each fewer GPUs, or make "
+            "more GPUs visible."
+        )
+    return gpus
 
 
 def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
@@ -352,6 +391,19 @@ def run(args: argparse.Namespace) -> int:
             "`distrain launch --nproc 2 -- python train.py`. Received no command.\n"
         )
         return 2
+    if args.gpus_per_proc is not None and args.devices_per_proc is not None:
+        sys.stderr.write(
+            "distrain launch: error: --devices-per-proc (virtual CPU devices) and "
+            "--gpus-per-proc (GPUs) exclude each other; received both. Use --gpus-per-proc "
+            "on GPU machines, --devices-per-proc on CPUs.\n"
+        )
+        return 2
+    if args.gpus_per_proc is not None:
+        try:
+            _visible_gpus(os.environ, args.nproc * args.gpus_per_proc)
+        except ValueError as e:
+            sys.stderr.write(f"distrain launch: error: {e}\n")
+            return 2
     try:
         _check_program(command[0])
     except _CannotStart as e:
