@@ -33,7 +33,8 @@ import math
 import os
 from collections.abc import Mapping
 
-# Environment variables `distrain launch --timeout` / `--collectives` set for its processes.
+# Environment variables read by `CommunicationOptions.from_env` (`distrain launch --timeout`
+# sets the first; set DISTRAIN_COLLECTIVES yourself).
 ENV_TIMEOUT_SECONDS = "DISTRAIN_TIMEOUT_SECONDS"
 ENV_COLLECTIVES = "DISTRAIN_COLLECTIVES"
 

@@ -16,10 +16,16 @@ lacks for a training framework:
   (JAX sizes the cluster from process 0 alone), checked through the
   coordination service's key-value store right after joining.
 
-A peer that dies later is JAX's business: the coordination service notices the
-missing heartbeats after `heartbeat_timeout` seconds and terminates every
-survivor with "the JAX distributed service detected fatal errors ... another
-task died". Nobody is left hanging in a collective.
+After joining, an uncaught exception ends the process at once (`os._exit`, after
+printing it) instead of waiting in JAX's shutdown barrier for peers that will
+never arrive; a peer blocked in a collective with it then fails and exits the
+same way. A peer that dies without an exception (killed) is noticed by a
+process in a collective with it at once; otherwise the coordination service
+notices the missing heartbeats after `heartbeat_timeout` seconds (default 20)
+and terminates every survivor with "the JAX distributed service detected fatal
+errors ... another task died". Not bounded: a collective waiting for a peer
+that is alive but stuck, and a `sys.exit(n)` (the normal exit path, with its
+barrier, up to the shutdown timeout).
 
 Example:
     >>> from distrain.cluster import SimpleClusterResolver
