@@ -155,3 +155,43 @@ def test_an_empty_directory_argument_is_refused(tmp_path, monkeypatch, directory
     with pytest.raises(TypeError, match="as a str or os.PathLike; received int"):
         CheckpointManager(3)
     assert os.listdir(tmp_path) == []
+
+
+# ------------------------------- item: a directory that becomes unwritable mid-run
+_UNWRITABLE = """
+import shutil, sys
+import jax.numpy as jnp
+from distrain.checkpoint import CheckpointManager
+d = sys.argv[1]
+mgr = CheckpointManager(d)
+mgr.save(1, {"w": jnp.ones(3)})
+mgr.wait_until_finished()
+shutil.rmtree(d)
+open(d, "w").write("the directory is gone")  # nothing can be created under it any more
+for step in (2, 3):
+    mgr.save(step, {"w": jnp.ones(3)})
+mgr.wait_until_finished()
+"""
+
+
+def test_a_directory_that_becomes_unwritable_ends_the_process_at_once(tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", _UNWRITABLE, str(tmp_path / "ckpt")],
+        capture_output=True,
+        text=True,
+        timeout=120,  # orbax's threads used to hold the process for 300 s
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert elapsed < 60, f"the process took {elapsed:.0f} s to exit after the error"
+    assert "OSError: [Errno 20] Could not write checkpoint step 2" in proc.stderr or (
+        "Could not write checkpoint step 3, or the save of step 2 before it," in proc.stderr
+    ), proc.stderr[-2000:]
+    assert "to stay writable for the whole run" in proc.stderr

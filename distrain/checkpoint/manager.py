@@ -29,6 +29,7 @@ import itertools
 import json
 import os
 import re
+import threading
 import time
 import uuid
 import warnings
@@ -181,6 +182,7 @@ class CheckpointManager:
         self._directory = epath.Path(check_directory_arg(directory, "CheckpointManager")).absolute()
         _check_writable(self._directory)
         self._barrier_prefix = f"distrain_ckpt{next(_instances)}"
+        self._pending: tuple[int | None, str | None] = (None, None)  # save in flight
         options = ocp.CheckpointManagerOptions(
             # Save exactly at multiples of the interval (orbax's default would also
             # save the first step it sees). `save` decides before calling orbax (cheaper
@@ -294,6 +296,37 @@ class CheckpointManager:
                 for (path, value, impl), fp in zip(leaves, fingerprints, strict=True)
             ],
         }
+        try:
+            saved = self._orbax_save(step, stored, data_json, meta_json, manifest)
+        except BaseException as e:
+            # The error may be this save's or the previous one's (orbax waits for it).
+            previous = self._pending[0]
+            _release_waiting_save_threads(self._pending[1])
+            _release_waiting_save_threads(_current_operation())
+            self._pending = (None, None)
+            label = (
+                step if previous is None else f"{step}, or the save of step {previous} before it,"
+            )
+            raise self._write_error(e, label) from e
+        self._pending = (step, _current_operation())
+        return saved
+
+    def _write_error(self, e: BaseException, step: int | str | None) -> BaseException:
+        """A clear error for a write that failed (OSErrors only; others unchanged)."""
+        if not isinstance(e, OSError):
+            return e
+        what = f"checkpoint step {step}" if step is not None else "a checkpoint"
+        return OSError(
+            e.errno,
+            f"Could not write {what} into {self._directory} ({_describe(e)}). Expected "
+            "the checkpoint directory to stay writable for the whole run; the checkpoints "
+            "already committed there are intact. Fix the directory (space, permissions, "
+            "mount) and resume from the newest one.",
+        )
+
+    def _orbax_save(
+        self, step: int, stored: PyTree, data_json: Any, meta_json: Any, manifest: dict
+    ) -> bool:
         return bool(
             self._mgr.save(
                 step,
@@ -344,7 +377,7 @@ class CheckpointManager:
             message; they leave the checkpoint in place.
         """
         self._check_open("restore")
-        self._mgr.wait_until_finished()
+        self.wait_until_finished()
         steps = self._agreed_steps()
         if step is not None:
             if step not in steps:
@@ -523,14 +556,29 @@ class CheckpointManager:
 
     # ---------------------------------------------------------------- lifecycle
     def wait_until_finished(self) -> None:
-        """Blocks until the pending asynchronous save (if any) is committed."""
-        self._mgr.wait_until_finished()
+        """Blocks until the pending asynchronous save (if any) is committed.
+
+        Raises:
+          OSError: if the background write failed (e.g. the directory became
+            unwritable); the committed checkpoints are intact.
+        """
+        try:
+            self._mgr.wait_until_finished()
+        except BaseException as e:
+            step, op = self._pending
+            self._pending = (None, None)
+            _release_waiting_save_threads(op)
+            raise self._write_error(e, step) from e
+        self._pending = (None, None)
 
     def close(self) -> None:
         """Waits for pending saves and releases resources. Idempotent."""
         if not self._closed:
             self._closed = True
-            self._mgr.close()
+            try:
+                self.wait_until_finished()
+            finally:
+                self._mgr.close()
 
     def _check_open(self, what: str) -> None:
         if self._closed:
@@ -550,6 +598,41 @@ class CheckpointManager:
             f"CheckpointManager({str(self._directory)!r}, max_to_keep={self._max_to_keep}, "
             f"save_interval_steps={self._interval})"
         )
+
+
+def _current_operation() -> str | None:
+    """Orbax's id of the save just started (its threads wait on signals keyed by it)."""
+    try:
+        from orbax.checkpoint._src.futures import synchronization
+
+        return synchronization.OperationIdGenerator.get_current_operation_id()
+    except Exception:  # noqa: BLE001 - orbax internals (0.12.8) changed: see below
+        return None
+
+
+def _release_waiting_save_threads(op: str | None) -> None:
+    """Lets the threads of a save that failed before its directory existed end now.
+
+    Orbax starts the item writers of a save in threads that wait (up to 300 s, its
+    coordination timeout) for a "step directory created" signal. When creating the
+    directory fails, the error reaches the caller at once but nobody sends the signal:
+    the threads, which are not daemons, kept the process alive for 5 minutes after the
+    error. Cancelling them and sending the signal ends them without writing anything.
+    Uses orbax internals (0.12.8); if they change, this does nothing.
+    """
+    if op is None:
+        return
+    try:
+        from orbax.checkpoint._src.futures import future
+
+        signals = {}
+        for t in threading.enumerate():
+            if isinstance(t, future._SignalingThread) and t._operation_id == op:
+                t.cancel()
+                signals.update({sig.value: sig for sig in t._receive_signals})
+        future.set_signals(list(signals.values()), operation_id=op)
+    except Exception:  # noqa: BLE001,S110 - best effort: never hide the save's own error
+        pass
 
 
 def _state_handler() -> ocp.PyTreeCheckpointHandler:
