@@ -78,12 +78,15 @@ class _Saver(Callback):
         max_to_keep: int | None,
         async_save: bool,
     ) -> None:
-        self.directory = os.fspath(directory)
+        from distrain.checkpoint.manager import check_directory_arg
+
+        self.directory = check_directory_arg(directory, type(self).__name__)
         self.save_freq = _check_freq(save_freq, type(self).__name__)
         self.max_to_keep = max_to_keep
         self.async_save = async_save
         self.manager: Any = None
         self.last_saved_step: int | None = None
+        self._offset: int | None = None  # checkpoint number - trainer step, fixed per fit
 
     def _open(self) -> None:
         from distrain.checkpoint import CheckpointManager
@@ -92,6 +95,22 @@ class _Saver(Callback):
         self.manager = CheckpointManager(
             self.directory, max_to_keep=self.max_to_keep, async_save=self.async_save
         )
+        self._offset = None
+
+    def checkpoint_step(self) -> int:
+        """The number the current state is saved under.
+
+        The trainer's step, unless the directory already holds newer checkpoints
+        than the step this ``fit`` started from (a second ``fit`` of a restored model,
+        Keras' make-or-restore pattern, starts counting at 0 again): then the
+        numbering continues after the newest checkpoint, so every save is written and
+        the newest checkpoint is always the newest state.
+        """
+        t = self.trainer
+        if self._offset is None:  # decided at the first save, after any resume
+            latest = self.manager.latest_step()
+            self._offset = 0 if latest is None else max(0, latest - t.initial_step)
+        return t.global_step + self._offset
 
     def _save(self) -> bool:
         """Saves the trainer's state and position now (all processes call it together)."""
@@ -106,15 +125,16 @@ class _Saver(Callback):
                 stacklevel=2,
             )
             return False
+        step = self.checkpoint_step()
         saved = self.manager.save(
-            t.global_step,
+            step,
             t.state_snapshot(),  # the async write must not read buffers the next step donates
             data_state=t.data_state(),
             metadata={"progress": t.progress()},
             force=True,
         )
         if saved:
-            self.last_saved_step = t.global_step
+            self.last_saved_step = step
         return bool(saved)
 
     def _crossed(self, info: StepInfo) -> bool:
@@ -137,6 +157,11 @@ class ModelCheckpoint(_Saver):
 
     Restore one with ``dt.CheckpointManager(directory).restore(target=state)``; its
     ``metadata["progress"]`` holds the epoch, step and history.
+
+    Checkpoints are numbered by the trainer's step. When ``directory`` already holds
+    newer ones (a second ``fit`` of a restored model starts counting at 0 again, as in
+    Keras' make-or-restore pattern), the numbering continues after the newest
+    checkpoint, so every save is written and the newest checkpoint is the newest state.
 
     Args:
       directory: the checkpoint directory (one subdirectory per step).
@@ -216,14 +241,23 @@ class BackupAndRestore(_Saver):
     the same devices; see ``docs/fault_tolerance.md``).
 
     On SIGTERM (preemption) it finishes the current step, saves, and exits with
-    ``dt.checkpoint.PREEMPTION_EXIT_CODE`` (143); run the same command to continue.
+    ``dt.checkpoint.PREEMPTION_EXIT_CODE`` (143); run the same command to continue. If the
+    state holds NaN or infinity then, nothing is saved and ``fit`` raises
+    ``FloatingPointError`` (exit status 1) instead.
+
+    For Keras' make-or-restore pattern (each run trains more, starting from the last
+    model) use ``ModelCheckpoint`` and restore its newest checkpoint before ``fit``.
 
     Args:
       backup_dir: where backups live; give each run its own.
       save_freq: ``"epoch"`` or a number of steps between backups.
       max_to_keep: backups kept (at least 2, so a damaged newest one has a fallback).
-      delete_checkpoint: delete the backups when ``fit`` completes (as Keras does), so
-        the next run of the command starts afresh.
+      delete_checkpoint: delete ``backup_dir`` (backups and any damaged step set aside
+        in it) when ``fit`` completes with a finite state, as Keras does, so the next run
+        of the command starts afresh. With False, the finished state is backed up too:
+        running the same ``fit`` again restores it and trains nothing more (a larger
+        ``epochs`` continues from it). A state holding NaN or infinity at the end never
+        deletes the backups: the newest is the last good state.
       async_save: write in the background.
       handle_preemption: install the SIGTERM handler (main thread only).
 
@@ -274,8 +308,19 @@ class BackupAndRestore(_Saver):
     def on_train_batch_end(self, info: StepInfo) -> None:
         self._calls += 1
         if self._preemption is not None and self._preemption.should_stop(self._calls):
+            finite = state_is_finite(self.trainer.state)
             self._save()
+            latest = self.manager.latest_step()
             self._finish()
+            if not finite:
+                # 143 means "saved, run again to continue": not true here.
+                self._close_preemption()
+                raise FloatingPointError(
+                    f"BackupAndRestore: preempted at step {self.trainer.global_step}, but the "
+                    "state holds NaN or infinity, so it was not saved; the newest backup in "
+                    f"{self.directory} is step {latest}, the last good state. Fix the cause "
+                    "(e.g. lower the learning rate) before resuming from it."
+                )
             self._close_preemption(exit_after=True)
         if self._crossed(info):
             self._save()
@@ -285,9 +330,25 @@ class BackupAndRestore(_Saver):
             self._save()
 
     def on_train_end(self, logs: Logs | None = None) -> None:
+        t = self.trainer
+        finite = t is None or state_is_finite(t.state)
+        if finite and not self.delete_checkpoint:
+            # Back up the finished state: running the same fit again restores it and
+            # has nothing left to train, instead of redoing the steps after the last save.
+            self._save()
+        latest = self.manager.latest_step() if self.manager is not None else None
         self._finish()
         self._close_preemption()
-        if self.delete_checkpoint and self.trainer is not None and self.trainer.is_chief:
+        if not finite:
+            warnings.warn(
+                f"BackupAndRestore: fit ended with NaN or infinity in the state, so the "
+                f"backups in {self.directory} are kept (not deleted): the newest, step "
+                f"{latest}, is the last good state. Fix the cause (e.g. lower the learning "
+                "rate) and resume from it, or use TerminateOnNaN to stop at the first NaN.",
+                stacklevel=2,
+            )
+            return
+        if self.delete_checkpoint and t is not None and t.is_chief:
             shutil.rmtree(self.directory, ignore_errors=True)
 
     def on_train_abort(self, error: BaseException) -> None:
