@@ -151,7 +151,9 @@ def pack(docs: Iterable[bytes], seq_len: int, *, max_rows: int | None = None) ->
     """Documents -> ``uint8[rows, seq_len + 1]``, joined by :data:`SEPARATOR`.
 
     Row ``i`` is ``stream[i * seq_len : i * seq_len + seq_len + 1]``; the tail that does
-    not fill a row is dropped (at most ``seq_len`` bytes).
+    not fill a row is dropped (at most ``seq_len`` bytes). ``max_rows`` keeps that many
+    rows evenly spaced over the stream (a sample of every part of the text, not its
+    first documents only).
 
     Raises:
       ValueError: ``seq_len < 1``, or the text is shorter than one row.
@@ -160,14 +162,15 @@ def pack(docs: Iterable[bytes], seq_len: int, *, max_rows: int | None = None) ->
         raise ValueError(f"seq_len must be a positive int; received seq_len={seq_len!r}.")
     stream = np.frombuffer(bytes([SEPARATOR]).join(docs), dtype=np.uint8)
     rows = (stream.size - 1) // seq_len
-    if max_rows is not None:
-        rows = min(rows, max_rows)
     if rows < 1:
         raise ValueError(
             f"The text has {stream.size} bytes, fewer than one sequence of seq_len + 1 = "
             f"{seq_len + 1}. Use a shorter seq_len or more text."
         )
-    idx = np.arange(rows)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+    starts = np.arange(rows)
+    if max_rows is not None and max_rows < rows:
+        starts = np.linspace(0, rows - 1, max_rows).round().astype(np.int64)
+    idx = starts[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
     return stream[idx]
 
 

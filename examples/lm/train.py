@@ -192,6 +192,11 @@ def settings_from_config(path: str, overrides: list[str] | tuple[str, ...] = ())
     from distrain.train.config import load_config
 
     cfg = load_config(path, list(overrides))
+    if cfg.train.steps is None:
+        raise ValueError(
+            f"{path}: the LM example counts training in steps; train.steps is null "
+            f"(train.epochs={cfg.train.epochs}). Set train.steps (e.g. train.steps=300)."
+        )
     return Settings(
         model=LMConfig(**cfg.model.kwargs),
         data_fn=cfg.data.fn,
@@ -201,7 +206,7 @@ def settings_from_config(path: str, overrides: list[str] | tuple[str, ...] = ())
         optimizer=cfg.optimizer.name,
         learning_rate=cfg.optimizer.learning_rate,
         optimizer_kwargs=dict(cfg.optimizer.kwargs),
-        steps=cfg.train.steps or 1,
+        steps=cfg.train.steps,
         log_every=cfg.train.log_every,
         steps_per_execution=cfg.train.steps_per_execution,
         seed=cfg.seed,
