@@ -9,15 +9,8 @@ Example:
 
 __version__ = "0.1.0"
 
-from distrain import checkpoint as checkpoint
-from distrain import data as data
-from distrain import experimental as experimental
+from distrain import _lazy
 from distrain import mixed_precision as mixed_precision
-from distrain.checkpoint import PREEMPTION_EXIT_CODE as PREEMPTION_EXIT_CODE
-from distrain.checkpoint import CheckpointCorruptionError as CheckpointCorruptionError
-from distrain.checkpoint import CheckpointManager as CheckpointManager
-from distrain.checkpoint import PreemptionHandler as PreemptionHandler
-from distrain.checkpoint import Restored as Restored
 from distrain.cluster import AutoClusterResolver as AutoClusterResolver
 from distrain.cluster import ClusterResolver as ClusterResolver
 from distrain.cluster import CommunicationImplementation as CommunicationImplementation
@@ -38,8 +31,6 @@ from distrain.cross_device_ops import CrossDeviceOps as CrossDeviceOps
 from distrain.cross_device_ops import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce
 from distrain.cross_device_ops import NcclAllReduce as NcclAllReduce
 from distrain.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
-from distrain.data.distributed import InputContext as InputContext
-from distrain.data.distributed import InputOptions as InputOptions
 from distrain.losses import compute_average_loss as compute_average_loss
 from distrain.losses import scale_regularization_loss as scale_regularization_loss
 from distrain.strategy.base import Strategy as Strategy
@@ -48,7 +39,6 @@ from distrain.strategy.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
 from distrain.strategy.one_device import OneDeviceStrategy as OneDeviceStrategy
-from distrain.train import callbacks as callbacks
 from distrain.train import metrics as metrics
 from distrain.train.accumulation import accumulate_gradients as accumulate_gradients
 from distrain.train.history import History as History
@@ -56,6 +46,23 @@ from distrain.train.state import TrainState as TrainState
 from distrain.train.trainer import DataEndedError as DataEndedError
 from distrain.train.trainer import Trainer as Trainer
 from distrain.values import PerReplica as PerReplica
+
+# Heavy dependencies (orbax, grain, tensorboardX, the parameter-server backends) load
+# on first use of these names (distrain/_lazy.py).
+_LAZY = {
+    "checkpoint": "distrain.checkpoint",
+    "data": "distrain.data",
+    "experimental": "distrain.experimental",
+    "PREEMPTION_EXIT_CODE": "distrain.checkpoint.preemption:PREEMPTION_EXIT_CODE",
+    "CheckpointCorruptionError": "distrain.checkpoint._layout:CheckpointCorruptionError",
+    "CheckpointManager": "distrain.checkpoint.manager:CheckpointManager",
+    "PreemptionHandler": "distrain.checkpoint.preemption:PreemptionHandler",
+    "Restored": "distrain.checkpoint.manager:Restored",
+    "InputContext": "distrain.data.distributed:InputContext",
+    "InputOptions": "distrain.data.distributed:InputOptions",
+    "callbacks": "distrain.train.callbacks",
+}
+__getattr__, __dir__ = _lazy.exports(globals(), _LAZY)
 
 __all__ = [
     "AllReduce",

@@ -5,12 +5,20 @@
 ``dt.MultiWorkerMirroredStrategy``.
 """
 
-from distrain.experimental import coordinator as coordinator
-from distrain.experimental import partitioners as partitioners
-from distrain.ps.strategy import ParameterServerStrategy as ParameterServerStrategy
+from distrain import _lazy
 from distrain.strategy.central_storage import CentralStorageStrategy as CentralStorageStrategy
 from distrain.strategy.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
+)
+
+# The parameter-server package (and its backends) loads on first use.
+__getattr__, __dir__ = _lazy.exports(
+    globals(),
+    {
+        "ParameterServerStrategy": "distrain.ps.strategy:ParameterServerStrategy",
+        "coordinator": "distrain.experimental.coordinator",
+        "partitioners": "distrain.experimental.partitioners",
+    },
 )
 
 __all__ = [

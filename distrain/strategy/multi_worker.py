@@ -48,7 +48,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         ``jax.distributed`` detects (Slurm, Open MPI, TPU), else a single process.
       communication_options: ``dt.CommunicationOptions(implementation, timeout_seconds)``;
         default from DISTRAIN_COLLECTIVES / DISTRAIN_TIMEOUT_SECONDS, else "auto" with
-        JAX's timeouts.
+        a 20 s heartbeat (docs/multi_worker.md, "Timeouts").
       shard_state: keep ``1/N`` of each large state leaf per device (all devices of all
         processes) between steps, as ``MirroredStrategy(shard_state=True)``.
       min_shard_bytes: with ``shard_state``, leaves below this size stay replicated.

@@ -23,14 +23,16 @@ choice is ``trainer.input_mode`` after ``fit`` starts.
 from __future__ import annotations
 
 import os
+import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distrain.data.pipeline import ArrayPipeline
+if TYPE_CHECKING:
+    from distrain.data.pipeline import ArrayPipeline
 
 MODES = ("auto", "device", "host")
 _ROW = "row"
@@ -53,6 +55,8 @@ class Resident:
 
     def index_pipeline(self) -> ArrayPipeline:
         """The twin pipeline over row numbers: same batches, as row ids."""
+        from distrain.data.pipeline import ArrayPipeline
+
         p = self.pipeline
         rows = np.arange(p.num_examples, dtype=np.int32)
         return ArrayPipeline(
@@ -95,7 +99,10 @@ class Resident:
 
 def choose(strategy: Any, data: Any, mode: str) -> tuple[str, Resident | None]:
     """Which input mode ``fit`` uses for ``data``, and the placed arrays for ``"device"``."""
-    if mode == "host" or not isinstance(data, ArrayPipeline):
+    pipeline_module = sys.modules.get("distrain.data.pipeline")  # not imported: no pipeline
+    if mode == "host" or pipeline_module is None:
+        return "host", None
+    if not isinstance(data, pipeline_module.ArrayPipeline):
         return "host", None
     nbytes = sum(leaf.nbytes for leaf in data._leaves)
     if mode == "auto" and nbytes > _BUDGET_FRACTION * device_memory_bytes(strategy):
