@@ -10,6 +10,7 @@ Example:
 __version__ = "0.1.0"
 
 from distrain import _lazy
+from distrain import metrics as metrics
 from distrain import mixed_precision as mixed_precision
 from distrain.cluster import AutoClusterResolver as AutoClusterResolver
 from distrain.cluster import ClusterResolver as ClusterResolver
@@ -39,7 +40,6 @@ from distrain.strategy.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
 from distrain.strategy.one_device import OneDeviceStrategy as OneDeviceStrategy
-from distrain.train import metrics as metrics
 from distrain.train.accumulation import accumulate_gradients as accumulate_gradients
 from distrain.train.history import History as History
 from distrain.train.state import TrainState as TrainState
@@ -60,7 +60,7 @@ _LAZY = {
     "Restored": "distrain.checkpoint.manager:Restored",
     "InputContext": "distrain.data.distributed:InputContext",
     "InputOptions": "distrain.data.distributed:InputOptions",
-    "callbacks": "distrain.train.callbacks",
+    "callbacks": "distrain.callbacks",
 }
 __getattr__, __dir__ = _lazy.exports(globals(), _LAZY)
 

@@ -41,8 +41,7 @@ import optax
 from flax import nnx
 
 import distrain as dt
-from distrain.data.datasets import load_digits
-from distrain.data.pipeline import ArrayPipeline
+from distrain.data import ArrayPipeline, load_digits
 
 
 class Model(nnx.Module):

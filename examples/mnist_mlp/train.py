@@ -25,10 +25,10 @@ import optax
 from flax import nnx
 
 import distrain as dt
-from distrain.data.pipeline import ArrayPipeline
-from distrain.train import callbacks as cbs
-from distrain.train.metrics import Accuracy, Mean
-from distrain.train.trainer import Trainer
+from distrain import Trainer
+from distrain import callbacks as cbs
+from distrain.data import ArrayPipeline
+from distrain.metrics import Accuracy, Mean
 
 
 class MLP(nnx.Module):

@@ -26,8 +26,10 @@ import numpy as np
 import optax
 
 import distrain as dt
-from distrain.data.datasets import load_digits
-from distrain.ps import ClusterCoordinator, FixedShardsPartitioner, ParameterServerStrategy
+from distrain.data import load_digits
+from distrain.experimental import ParameterServerStrategy
+from distrain.experimental.coordinator import ClusterCoordinator
+from distrain.experimental.partitioners import FixedShardsPartitioner
 from distrain.train import zoo
 
 
