@@ -383,3 +383,4 @@ def test_distrain_train_runs_the_tiny_config(devices):
     m = result.test_metrics
     assert m["perplexity"] == pytest.approx(math.exp(m["loss"])) and m["loss"] < 5.6
     assert any(line.startswith("final test: loss=") for line in lines)
+
