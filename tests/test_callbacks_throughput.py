@@ -87,6 +87,8 @@ def test_throughput_window_restarts_after_epoch_end(devices):
 def test_peak_flops_table():
     assert peak_flops_per_device("NVIDIA H100 80GB HBM3") == 989e12
     assert peak_flops_per_device("NVIDIA H100 PCIe") == 756e12
+    assert peak_flops_per_device("NVIDIA H100 NVL") == 835e12
+    assert peak_flops_per_device("TPU v5") is None  # v5p: not in the table, not v5e's peak
     assert peak_flops_per_device("NVIDIA H200") == 989e12
     assert peak_flops_per_device("NVIDIA A100-SXM4-40GB") == 312e12
     assert peak_flops_per_device("TPU v4") == 275e12

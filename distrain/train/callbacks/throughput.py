@@ -42,6 +42,7 @@ __all__ = ["PEAK_FLOPS", "ProfilerWindow", "Throughput", "peak_flops_per_device"
 PEAK_FLOPS: tuple[tuple[str, float], ...] = (
     ("h200", 989e12),  # NVIDIA H200 (SXM)
     ("h100 pcie", 756e12),  # NVIDIA H100 PCIe
+    ("h100 nvl", 835e12),  # NVIDIA H100 NVL
     ("h100", 989e12),  # NVIDIA H100 SXM (e.g. "NVIDIA H100 80GB HBM3")
     ("a100", 312e12),  # NVIDIA A100 (SXM and PCIe)
     ("tpu v4", 275e12),  # Google TPU v4 (one chip)
