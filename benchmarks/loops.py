@@ -285,15 +285,28 @@ class TrainerFit(Bench):
     metric shapes, iterator start) is reported apart as ``startup_ms``.
     """
 
-    def __init__(self, workload: Workload, steps_per_execution: int, pipeline: bool) -> None:
-        self.w, self.k, self.pipeline = workload, steps_per_execution, pipeline
+    def __init__(
+        self,
+        workload: Workload,
+        steps_per_execution: int | str,
+        pipeline: bool,
+        input_mode: str = "device",
+    ) -> None:
+        self.w, self.spe, self.pipeline = workload, steps_per_execution, pipeline
+        self.k = SPE if steps_per_execution == "auto" else steps_per_execution
+        self.input_mode = input_mode
 
     def setup(self) -> None:
         import distrain as dt
         from distrain.train.trainer import Trainer
 
         self.strategy = dt.MirroredStrategy()
-        self.trainer = Trainer(self.strategy, _trainer_step(self.w), steps_per_execution=self.k)
+        self.trainer = Trainer(
+            self.strategy,
+            _trainer_step(self.w),
+            steps_per_execution=self.spe,
+            input_mode=self.input_mode,
+        )
         self.state = self.strategy.put_replicated(_initial_state(self.w))
         if self.pipeline:
             self.data: Any = _pipeline(self.w)
@@ -344,6 +357,10 @@ def make_bench(config: str, workload: Workload) -> Bench:
         "distrain_fit": lambda: TrainerFit(workload, 1, pipeline=False),
         "distrain_fit_spe": lambda: TrainerFit(workload, SPE, pipeline=False),
         "distrain_fit_pipeline": lambda: TrainerFit(workload, 1, pipeline=True),
+        "distrain_fit_pipeline_host": lambda: TrainerFit(
+            workload, 1, pipeline=True, input_mode="host"
+        ),
+        "distrain_fit_auto": lambda: TrainerFit(workload, "auto", pipeline=True),
     }
     if config not in factories:
         raise ValueError(f"Unknown JAX config {config!r}. Expected one of {sorted(factories)}.")
@@ -359,4 +376,6 @@ JAX_CONFIGS = (
     "distrain_fit",
     "distrain_fit_spe",
     "distrain_fit_pipeline",
+    "distrain_fit_pipeline_host",
+    "distrain_fit_auto",
 )

@@ -23,7 +23,9 @@ LABELS = {
     "distrain_run_pipeline": "(c) strategy.run + ArrayPipeline",
     "distrain_fit": "(d) distrain Trainer.fit",
     "distrain_fit_spe": "(d') Trainer.fit steps_per_execution=8",
-    "distrain_fit_pipeline": '(d") Trainer.fit + ArrayPipeline',
+    "distrain_fit_pipeline": '(d") Trainer.fit + ArrayPipeline (device-resident input)',
+    "distrain_fit_pipeline_host": "(d3) Trainer.fit + ArrayPipeline, host input",
+    "distrain_fit_auto": "(d4) Trainer.fit + ArrayPipeline, steps_per_execution auto",
     "keras_jax_fit": "(e) Keras 3 JAX DataParallel fit",
     "tf_mirrored_fit": "(e') TF MirroredStrategy Model.fit",
 }
@@ -35,6 +37,15 @@ RATIOS: tuple[tuple[str, str, str, float | None, str], ...] = (
     ("Trainer.fit / hand-written", "distrain_fit", "jax_shard_map", 0.97, "issue 3"),
     ("fit steps_per_execution / hand-written", "distrain_fit_spe", "jax_shard_map", 1.0, "issue 3"),
     ("fit pipeline / fit pre-staged", "distrain_fit_pipeline", "distrain_fit", 0.90, "issue 8"),
+    ("fit pipeline / hand-written", "distrain_fit_pipeline", "jax_shard_map", 0.90, "issue 13"),
+    (
+        "fit host pipeline / hand-written",
+        "distrain_fit_pipeline_host",
+        "jax_shard_map",
+        None,
+        "issue 13",
+    ),
+    ("fit auto spe / hand-written", "distrain_fit_auto", "jax_shard_map", 1.5, "issue 13"),
     ("fit pipeline / Keras 3 JAX fit", "distrain_fit_pipeline", "keras_jax_fit", 1.15, "issue 8"),
     (
         "fit pipeline / TF MirroredStrategy fit",

@@ -103,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", help="write the figures here")
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument(
+        "--workloads", default=",".join(WORKLOADS), help="comma list of: " + ",".join(WORKLOADS)
+    )
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.rounds = 3, 2
@@ -119,7 +122,10 @@ def main(argv: list[str] | None = None) -> int:
 
     devices = jax.devices()[: args.devices]
     results: dict[str, Any] = {"devices": len(devices), "backend": jax.default_backend()}
-    for wname, (make, global_batch) in WORKLOADS.items():
+    for wname in args.workloads.split(","):
+        if wname not in WORKLOADS:
+            parser.error(f"unknown workload {wname!r}; expected some of {list(WORKLOADS)}")
+        make, global_batch = WORKLOADS[wname]
         params, logits_fn, make_batch = make(jax, jnp, jax.random.key(0))
         host_batch = make_batch(global_batch)
 

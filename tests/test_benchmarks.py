@@ -19,7 +19,10 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_runner_smoke_writes_json_table_and_plot(tmp_path):
     out, png = tmp_path / "results.json", tmp_path / "plot.png"
-    configs = "jax_shard_map,distrain_run,distrain_run_pipeline,distrain_fit"
+    configs = (
+        "jax_shard_map,distrain_run,distrain_run_pipeline,distrain_fit,"
+        "distrain_fit_pipeline_host,distrain_fit_auto"
+    )
     cmd = [
         sys.executable,
         "-m",
@@ -170,3 +173,26 @@ def test_cnn_pool_forms_train_the_same_maths():
         )
         for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
             np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize(
+    "module, args, expect",
+    [
+        ("benchmarks.host_overhead", ["--devices", "2", "--quick"], "strategy.run"),
+        ("benchmarks.scaling", ["--devices", "2", "--quick", "--workloads", "mlp"], "sharded_bf16"),
+    ],
+)
+def test_scripts_run_and_write_json(tmp_path, module, args, expect):
+    out = tmp_path / "out.json"
+    env = {**os.environ, "XLA_FLAGS": ""}
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args, "--json", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert expect in proc.stdout
+    assert json.loads(out.read_text())["devices"] == 2
