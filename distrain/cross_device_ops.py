@@ -16,6 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distrain._validate import positive_int
+
 
 class CrossDeviceOps(abc.ABC):
     """Base class: ``all_sum(tree, axis_name)`` inside a replica function."""
@@ -73,11 +75,7 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
     """
 
     def __init__(self, num_packs: int = 1) -> None:
-        if not isinstance(num_packs, int) or num_packs < 1:
-            raise ValueError(
-                f"`num_packs` must be a positive int. Received: num_packs={num_packs!r}."
-            )
-        self.num_packs = num_packs
+        self.num_packs = positive_int("num_packs", num_packs)
 
     def all_sum(self, tree: Any, axis_name: str) -> Any:
         leaves, treedef = jax.tree.flatten(tree)
@@ -92,7 +90,7 @@ class HierarchicalCopyAllReduce(CrossDeviceOps):
             offsets = np.cumsum([0] + [int(np.size(leaves[i])) for i in idx])
             for j, i in enumerate(idx):
                 out[i] = flat[offsets[j] : offsets[j + 1]].reshape(jnp.shape(leaves[i]))
-        return treedef.unflatten(out)
+        return jax.tree.unflatten(treedef, out)
 
     def __repr__(self) -> str:
         return f"HierarchicalCopyAllReduce(num_packs={self.num_packs})"

@@ -197,9 +197,15 @@ def test_unwritable_directory_fails_at_construction(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"max_to_keep": 0}, r"`max_to_keep` to be a positive int or None; received 0"),
-        ({"save_interval_steps": 0}, r"`save_interval_steps` to be a positive int; received 0"),
-        ({"save_interval_steps": 2.5}, r"`save_interval_steps` to be a positive int"),
+        (
+            {"max_to_keep": 0},
+            r"`max_to_keep` must be a positive int or None\. Received: max_to_keep=0",
+        ),
+        (
+            {"save_interval_steps": 0},
+            r"`save_interval_steps` must be a positive int\. Received: save_interval_steps=0",
+        ),
+        ({"save_interval_steps": 2.5}, r"`save_interval_steps` must be a positive int"),
     ],
 )
 def test_invalid_options(tmp_path, kwargs, match):
@@ -480,7 +486,7 @@ def test_request_stop_without_a_signal():
 
 
 def test_preemption_handler_errors():
-    with pytest.raises(ValueError, match="`sync_every_steps` to be a positive int or None"):
+    with pytest.raises(ValueError, match="`sync_every_steps` must be a positive int or None"):
         PreemptionHandler(sync_every_steps=0)
     errors = []
 

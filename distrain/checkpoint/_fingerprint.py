@@ -20,6 +20,7 @@ Example:
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -36,7 +37,8 @@ def supported(dtype: np.dtype) -> bool:
     return dtype.kind in "biufc" and dtype.itemsize in (1, 2, 4, 8, 16)
 
 
-def _finish(h1: int, h2: int) -> str:
+def _finish(h1: Any, h2: Any) -> str:
+    """Hex of two 32-bit words (Python or NumPy integers)."""
     return f"{int(h1) & 0xFFFFFFFF:08x}{int(h2) & 0xFFFFFFFF:08x}"
 
 
@@ -131,6 +133,7 @@ def fingerprint_any(leaves: Sequence[object]) -> list[str | None]:
             a = np.asarray(x)
             if supported(a.dtype):
                 result[i] = fingerprint_numpy(a)
-    for i, fp in zip(device_idx, fingerprint_jax([leaves[i] for i in device_idx]), strict=True):
+    arrays = [cast(jax.Array, leaves[i]) for i in device_idx]
+    for i, fp in zip(device_idx, fingerprint_jax(arrays), strict=True):
         result[i] = fp
     return result

@@ -110,7 +110,7 @@ def restore_state(
     flat_target, treedef = jax.tree_util.tree_flatten_with_path(target)
     paths = [_layout.path_str(kp) for kp, _ in flat_target]
     pairs = [_abstract_leaf(x, by_path[p]) for p, (_, x) in zip(paths, flat_target, strict=True)]
-    abstract = treedef.unflatten([a for a, _ in pairs])
+    abstract = jax.tree.unflatten(treedef, [a for a, _ in pairs])
     restored = _read(mgr, step, abstract)
     values = jax.tree.leaves(restored)
     _verify(list(zip(paths, values, strict=True)), by_path, [c for _, c in pairs])
@@ -118,4 +118,4 @@ def restore_state(
         _finish_leaf(v, x, by_path[p])
         for p, v, (_, x) in zip(paths, values, flat_target, strict=True)
     ]
-    return treedef.unflatten(out)
+    return jax.tree.unflatten(treedef, out)

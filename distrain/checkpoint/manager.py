@@ -41,6 +41,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as ocp_policies
 
+from distrain._validate import optional_positive_int, positive_int
 from distrain.checkpoint import _fingerprint, _layout, _restore
 from distrain.checkpoint._layout import CheckpointCorruptionError, LeafInfo, PyTree
 
@@ -60,15 +61,6 @@ class Restored(NamedTuple):
     state: PyTree
     data_state: dict[str, Any] | None
     metadata: dict[str, Any] | None
-
-
-def _positive_int(name: str, value: Any, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        choices = "a positive int or None" if allow_none else "a positive int"
-        raise ValueError(f"Expected `{name}` to be {choices}; received {value!r}.")
-    return int(value)
 
 
 def _worst(code: int) -> int:
@@ -177,8 +169,8 @@ class CheckpointManager:
         save_interval_steps: int = 1,
         async_save: bool = True,
     ) -> None:
-        self._max_to_keep = _positive_int("max_to_keep", max_to_keep, allow_none=True)
-        self._interval = _positive_int("save_interval_steps", save_interval_steps)
+        self._max_to_keep = optional_positive_int("max_to_keep", max_to_keep)
+        self._interval = positive_int("save_interval_steps", save_interval_steps)
         self._directory = epath.Path(check_directory_arg(directory, "CheckpointManager")).absolute()
         _check_writable(self._directory)
         self._barrier_prefix = f"distrain_ckpt{next(_instances)}"

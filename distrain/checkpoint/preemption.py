@@ -42,6 +42,8 @@ from typing import Any, NoReturn
 import jax
 import numpy as np
 
+from distrain._validate import optional_positive_int
+
 PREEMPTION_EXIT_CODE = 143
 """Exit status after a preemption-triggered save: 128 + SIGTERM (15)."""
 
@@ -80,15 +82,7 @@ class PreemptionHandler:
                 "Expected PreemptionHandler to be created in the main thread (Python only "
                 f"delivers signals there); it was created in {threading.current_thread().name!r}."
             )
-        if sync_every_steps is not None and (
-            isinstance(sync_every_steps, bool)
-            or not isinstance(sync_every_steps, int)
-            or sync_every_steps < 1
-        ):
-            raise ValueError(
-                f"Expected `sync_every_steps` to be a positive int or None; received "
-                f"{sync_every_steps!r}."
-            )
+        sync_every_steps = optional_positive_int("sync_every_steps", sync_every_steps)
         self._multi = jax.process_count() > 1
         self._every = sync_every_steps or (10 if self._multi else 1)
         self.exit_code = int(exit_code)

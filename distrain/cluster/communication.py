@@ -100,7 +100,7 @@ class CommunicationOptions:
     shutdown_timeout_seconds: float | None = None
 
     def __post_init__(self) -> None:
-        impl = self.implementation
+        impl: CommunicationImplementation | str | None = self.implementation
         if isinstance(impl, str) and not isinstance(impl, CommunicationImplementation):
             try:
                 impl = CommunicationImplementation(impl.strip().lower())

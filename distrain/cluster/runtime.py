@@ -72,7 +72,9 @@ def _backend_initialized() -> bool:
 
 
 def _requested_platforms() -> str:
-    return (jax.config.jax_platforms or os.environ.get("JAX_PLATFORMS") or "").lower()
+    # The ignore: jax.config's options are dynamic attributes, which mypy cannot see.
+    platforms = jax.config.jax_platforms  # type: ignore[attr-defined]
+    return (platforms or os.environ.get("JAX_PLATFORMS") or "").lower()
 
 
 def wait_for_coordinator(address: str, timeout: float, *, poll_interval: float = 0.2) -> float:
@@ -292,7 +294,7 @@ def _join(resolver: ClusterResolver, options: CommunicationOptions) -> int:
     what = address if address is not None else "the address auto-detected by JAX"
     watchdog = _start_join_watchdog(what, timeout, resolver.num_processes)
     try:
-        kwargs = dict(
+        kwargs: dict[str, Any] = dict(
             initialization_timeout=timeout + _JAX_TIMEOUT_MARGIN,
             heartbeat_timeout_seconds=options.heartbeat_timeout,
             shutdown_timeout_seconds=options.shutdown_timeout,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -171,13 +171,13 @@ def _check_dtypes(leaves: list[Any], treedef: Any) -> None:
 
 def _batch_size(leaves: list[Any], treedef: Any) -> int:
     sizes = {int(np.shape(x)[0]) if np.ndim(x) else None for x in leaves}
-    if len(sizes) != 1 or None in sizes:
+    size = sizes.pop() if len(sizes) == 1 else None
+    if size is None:  # leaves disagree, or a scalar leaf has no batch dimension
         shapes = _shapes(leaves, treedef)
         raise ValueError(
             "Every leaf of a batch must have the same leading (batch) dimension. "
             f"Received shapes: {shapes}."
         )
-    size = sizes.pop()
     if size == 0:
         shapes = _shapes(leaves, treedef)
         raise ValueError(
@@ -207,8 +207,8 @@ def _whole_arrays_error(data: Any) -> str | None:
     if isinstance(data, Mapping):
         leaves = list(data.values())
         if leaves and all(rows(v) is not None for v in leaves):
-            n = {rows(v) for v in leaves}
-            size = f"{n.pop()} rows" if len(n) == 1 else "rows " + str(sorted(n))
+            counts = {r for r in map(rows, leaves) if r is not None}  # all are: checked above
+            size = f"{counts.pop()} rows" if len(counts) == 1 else "rows " + str(sorted(counts))
             arg = "{" + ", ".join(f"{k!r}: ..." for k in data) + "}"
             return "Received a dict of arrays: " + fix.format(arg=arg, what=": dicts") + (
                 f" Received {size}, keys {list(data)}."
@@ -229,6 +229,11 @@ def _whole_arrays_error(data: Any) -> str | None:
     return None
 
 
+def _rows_of(x: Any) -> Callable[[Any], np.ndarray]:
+    """The callback giving ``x[idx]`` (this process's rows) as a NumPy array."""
+    return lambda idx: np.asarray(x[idx])
+
+
 def shard_global_batch(strategy: Strategy, batch: Any) -> PerReplica:
     """Splits a global batch over ``strategy``'s replicas; copies only local rows."""
     leaves, treedef = jax.tree.flatten(batch)
@@ -240,10 +245,9 @@ def shard_global_batch(strategy: Strategy, batch: Any) -> PerReplica:
         arrays = jax.device_put(leaves, sharding)
     else:
         arrays = [
-            jax.make_array_from_callback(np.shape(x), sharding, lambda idx, x=x: np.asarray(x[idx]))
-            for x in leaves
+            jax.make_array_from_callback(np.shape(x), sharding, _rows_of(x)) for x in leaves
         ]
-    return PerReplica(treedef.unflatten(arrays), strategy.num_replicas_in_sync)
+    return PerReplica(jax.tree.unflatten(treedef, arrays), strategy.num_replicas_in_sync)
 
 
 def shard_local_batch(strategy: Strategy, batch: Any) -> PerReplica:
@@ -263,7 +267,7 @@ def shard_local_batch(strategy: Strategy, batch: Any) -> PerReplica:
         arrays = [
             jax.make_array_from_process_local_data(strategy._split, np.asarray(x)) for x in leaves
         ]
-    return PerReplica(treedef.unflatten(arrays), strategy.num_replicas_in_sync)
+    return PerReplica(jax.tree.unflatten(treedef, arrays), strategy.num_replicas_in_sync)
 
 
 def _local_replicas(strategy: Strategy) -> int:
@@ -438,10 +442,10 @@ class DistributedIterator:
                     "(only the last one smaller), or drop mask_key."
                 )
             if partial:
-                return self._pad(batch, size, full)  # padded to `full`: divisible
+                return self._pad(batch, size, full, opts.mask_key)  # padded to `full`: divisible
         self._check_divisible(batch, size, full)
         if opts.mask_key is not None and opts.mask_key not in batch:
-            return self._pad(batch, size, full)  # adds the all-ones mask
+            return self._pad(batch, size, full, opts.mask_key)  # adds the all-ones mask
         return batch
 
     def _check_divisible(self, batch: Any, size: int, full: int) -> None:
@@ -474,8 +478,8 @@ class DistributedIterator:
             f"(e.g. {_multiples(size, n)})."
         )
 
-    def _pad(self, batch: dict[str, Any], size: int, full: int) -> dict[str, Any]:
-        key = self._ds._options.mask_key
+    def _pad(self, batch: dict[str, Any], size: int, full: int, key: str) -> dict[str, Any]:
+        """``batch`` padded to ``full`` rows, with the mask ``batch[key]`` (0.0 on padding)."""
         pad = full - size
         out = {
             k: np.concatenate(

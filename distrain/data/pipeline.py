@@ -53,7 +53,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import grain
 import numpy as np
@@ -175,7 +175,7 @@ class ArrayPipeline:
         self.local_batch_size = B // P
 
         if mask_key is not None:
-            if self._kind != "dict":
+            if self._kind != "dict" or self._keys is None:  # keys exist exactly for dicts
                 raise ValueError(
                     "mask_key needs a dict dataset (the mask is added as a column); received "
                     f"data of type {self._kind}. Pass a dict of arrays or mask_key=None."
@@ -250,9 +250,14 @@ class ArrayPipeline:
             )
         return arr
 
-    def _unflatten(self, leaves: list[np.ndarray], mask: np.ndarray | None) -> Any:
+    def _unflatten(self, leaves: list[Any], mask: Any) -> Any:
+        """A batch in the data's structure from its leaves and mask (None without mask_key).
+
+        NumPy arrays here; jax arrays when a device-resident dataset gathers its rows.
+        """
         if self._kind == "dict":
-            out = dict(zip(self._keys, leaves, strict=True))
+            keys = cast(list[str], self._keys)  # cast: _flatten gives keys for dict data
+            out = dict(zip(keys, leaves, strict=True))
             if self.mask_key is not None:
                 out[self.mask_key] = mask
             return out

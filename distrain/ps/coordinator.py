@@ -272,7 +272,7 @@ class ClusterCoordinator:
                 f"ClusterCoordinator.schedule expects args as a tuple. Received: "
                 f"{type(args).__name__}; write args=(x,)."
             )
-        args, kwargs = jax.tree.map(self._to_ref, (tuple(args), dict(kwargs or {})))
+        ref_args, ref_kwargs = jax.tree.map(self._to_ref, (tuple(args), dict(kwargs or {})))
         with self._lock:
             # Under the lock shutdown() takes to close: either this step is queued before
             # shutdown() drains the queue (and is cancelled by it), or it is refused here.
@@ -281,7 +281,7 @@ class ClusterCoordinator:
             seq = self._next_seq
             self._next_seq += 1
             self._counts["scheduled"] += 1
-            closure = _Closure(seq, fn, args, kwargs)
+            closure = _Closure(seq, fn, ref_args, ref_kwargs)
             self._queue.put(closure)
         return closure.value
 

@@ -23,7 +23,7 @@ import itertools
 import os
 import socket
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import optax
@@ -86,7 +86,7 @@ def connect(address: str | None) -> bool:
     ray = _import_ray()
     remote = address not in (None, "local", "auto")
     if remote:
-        check_reachable(address)
+        check_reachable(cast(str, address))  # cast: `remote` excludes None
     if ray.is_initialized():
         return False
     if not remote and address != "auto":

@@ -82,7 +82,7 @@ def _pull(ticket: np.ndarray) -> list[np.ndarray]:
     return RUNTIMES[int(ticket[2])].pull_callback(ticket)
 
 
-def _push(ticket: np.ndarray, *grads: np.ndarray) -> np.ndarray:
+def _push(ticket: np.ndarray, *grads: np.ndarray) -> np.int32:
     return RUNTIMES[int(ticket[2])].push_callback(ticket, *grads)
 
 

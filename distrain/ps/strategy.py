@@ -154,7 +154,9 @@ class ParameterServerStrategy:
 
     def scope(self) -> AbstractContextManager[ParameterServerStrategy]:
         """Makes this the current strategy (``dt.get_strategy()``) inside a ``with``."""
-        return context._enter_scope(self)  # type: ignore[arg-type]
+        # The ignore: this strategy is duck-typed against Strategy (the same scope API,
+        # not a subclass), and the scope stack holds it as one.
+        return context._enter_scope(self)  # type: ignore[arg-type, return-value]
 
     def __repr__(self) -> str:
         return (

@@ -100,7 +100,7 @@ class StepRuntime:
             self._record(seq, worker, err)
             return self._zeros
 
-    def push_callback(self, ticket: Any, *grads: Any) -> np.ndarray:
+    def push_callback(self, ticket: Any, *grads: Any) -> np.int32:
         seq, worker = _ticket(ticket)
         grads = tuple(np.asarray(g) for g in grads)  # see _ticket
         with self._lock:

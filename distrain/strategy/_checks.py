@@ -82,7 +82,8 @@ def _captured(fn: Any, depth: int = 6, seen: set[int] | None = None) -> dict[str
     while isinstance(fn, functools.partial):
         fn = fn.func
     fn = getattr(fn, "__func__", fn)
-    code, names = getattr(fn, "__code__", None), {}
+    code = getattr(fn, "__code__", None)
+    names: dict[str, Any] = {}
     if code is None or id(fn) in seen or depth == 0:
         return names
     seen.add(id(fn))

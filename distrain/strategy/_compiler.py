@@ -109,7 +109,7 @@ class ReplicaCompiler:
         key = (fn, treedef, donate)
         program = self._programs.get(key)
         arrays = program.arrays(flat) if program is not None else None
-        if arrays is None:
+        if program is None or arrays is None:
             program, arrays = self._lookup(key, fn, args, kwargs, flat, treedef)
         if self._moves is None:
             # Central storage keeps state off the compute mesh: broadcast inputs move to
@@ -167,7 +167,7 @@ class ReplicaCompiler:
         # Which leaves are split over the replicas, and which are stacked results (one
         # row per replica), from the structure alone: PerReplica nodes in the treedef.
         marked = treedef.unflatten(range(n_leaves))
-        kind = [None] * n_leaves
+        kind: list[str | None] = [None] * n_leaves
         for leaf in jax.tree.leaves(marked, is_leaf=_is_per_replica):
             if isinstance(leaf, PerReplica):
                 for i in jax.tree.leaves(leaf.value):
@@ -218,7 +218,7 @@ class ReplicaCompiler:
                 PerReplica(o, n, stacked=True) if v else _place_state(strategy, o)
                 for o, v in zip(outs, varying, strict=True)
             ]
-            return out_tree.unflatten(outs), done
+            return jax.tree.unflatten(out_tree, outs), done
 
         global_fn.__name__ = f"replica_{_checks.fn_name(fn)}"
         return global_fn
@@ -280,7 +280,7 @@ def _donated_positions(
         for i in jax.tree.leaves(leaf.value)
     }
     static = set(static_idx)
-    position = {}
+    position: dict[int, int] = {}
     for i in range(n_leaves):
         if i not in static:
             position[i] = len(position)

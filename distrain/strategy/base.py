@@ -377,4 +377,5 @@ class Strategy(abc.ABC):
                 for k, (_, d) in enumerate(local)
             ]
             out.append(jax.make_array_from_single_device_arrays(shape, self._split, shards))
-        return jax.tree.map(lambda x: PerReplica(x, n, stacked=True), treedef.unflatten(out))
+        stacked = jax.tree.unflatten(treedef, out)
+        return jax.tree.map(lambda x: PerReplica(x, n, stacked=True), stacked)

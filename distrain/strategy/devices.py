@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeAlias
 
 import jax
 
-DeviceSpec = jax.Device | int | str
+DeviceSpec: TypeAlias = jax.Device | int | str
 
 
 def parse_device(spec: DeviceSpec, candidates: Sequence[jax.Device] | None = None) -> jax.Device:

@@ -37,7 +37,8 @@ Step = Callable[..., Any]
 
 
 def _name(fn: Any) -> str:
-    return getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "step")
+    name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "step")
+    return str(name)
 
 
 def _describe_tree(tree: Any) -> str:
@@ -62,9 +63,13 @@ def check_train_output(step: Step, state: Any, out: Any) -> tuple[Any, dict[str,
         )
     new_state, metrics = out
     expected, received = jax.tree.structure(state), jax.tree.structure(new_state)
-    if expected != received:
+    # The ignores: jaxlib ships no stubs for PyTreeDef, so mypy cannot see its
+    # __eq__/__ne__ (structures compare by value at runtime).
+    if expected != received:  # type: ignore[operator]
         hint = ""
-        if isinstance(new_state, dict) and jax.tree.structure(metrics) == expected:
+        if isinstance(new_state, dict) and (
+            jax.tree.structure(metrics) == expected  # type: ignore[operator]
+        ):
             hint = " It looks like (metrics, new_state): return (new_state, metrics)."
         raise TypeError(
             f"`{name}` must return (new_state, metrics) where new_state has the same pytree "
@@ -112,7 +117,7 @@ class Layout:
             v[a:b].reshape(shape)
             for a, b, shape in zip(self.offsets[:-1], self.offsets[1:], self.shapes, strict=True)
         ]
-        return self.treedef.unflatten(leaves)
+        return jax.tree.unflatten(self.treedef, leaves)
 
 
 @functools.lru_cache(maxsize=64)
@@ -126,6 +131,8 @@ def make_train_fn(train_step: Step, num_steps: int) -> Callable[..., Any]:
     def one(state: Any, batch: Any) -> tuple[Any, dict[str, Any]]:
         return check_train_output(train_step, state, train_step(state, batch))
 
+    # One name, two signatures (a batch, or num_steps batches): declared for both.
+    train_fn: Callable[..., tuple[Any, Any]]
     if num_steps == 1:
 
         def train_fn(state: Any, acc: Any, batch: Any) -> tuple[Any, Any]:

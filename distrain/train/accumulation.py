@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from distrain import context
+from distrain._validate import positive_int
 from distrain.train import metrics as metrics_lib
 from distrain.train.state import TrainState
 
@@ -86,8 +87,7 @@ def accumulate_gradients(
       >>> step = dt.accumulate_gradients(train_step, 4)    # 4 micro-batches per update
       >>> state, metrics = strategy.run(step, args=(state, batch))
     """
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise ValueError(f"`steps` must be a positive int. Received: steps={steps!r}.")
+    steps = positive_int("steps", steps)
     if steps == 1:
         return train_step
 

@@ -282,7 +282,8 @@ def _convert(value: Any, tp: Any, path: str) -> Any:
     if tp is Any:
         return value
     if dataclasses.is_dataclass(tp):
-        return _from_dict(tp, value, path)
+        # cast: tp is a type hint, so a dataclass here is the class, never an instance.
+        return _from_dict(typing.cast(type, tp), value, path)
     if origin in (typing.Union, types.UnionType):
         errors = []
         for option in typing.get_args(tp):

@@ -25,7 +25,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Self
 
 import jax
 import jax.numpy as jnp
@@ -108,14 +108,14 @@ class Mean(Metric):
         values: ArrayLike,
         mask: ArrayLike | None = None,
         sample_weight: ArrayLike | None = None,
-    ) -> Mean:
+    ) -> Self:
         """Mean of all elements of ``values``; ``mask``/``sample_weight`` weight them."""
         values = jnp.asarray(values, jnp.float32)
         w = _weights(values, mask, sample_weight)
         return cls(total=jnp.sum(values * w), count=jnp.sum(w))
 
     @classmethod
-    def from_scalar(cls, value: ArrayLike) -> Mean:
+    def from_scalar(cls, value: ArrayLike) -> Self:
         """One observation of a scalar (weight 1)."""
         return cls(total=jnp.asarray(value, jnp.float32), count=jnp.ones((), jnp.float32))
 
@@ -168,7 +168,7 @@ class Sum(Metric):
         values: ArrayLike,
         mask: ArrayLike | None = None,
         sample_weight: ArrayLike | None = None,
-    ) -> Sum:
+    ) -> Self:
         values = jnp.asarray(values, jnp.float32)
         return cls(total=jnp.sum(values * _weights(values, mask, sample_weight)))
 

@@ -67,7 +67,9 @@ class PassIterator:
             self._it, self._ended = None, False
 
     def _new_pass(self) -> tuple[Any, bool]:
-        it = iter(self._dataset)
+        # Any: set_state is optional; a state is only pending if the dataset's
+        # iterator had get_state when it was saved.
+        it: Any = iter(self._dataset)
         self._position = 0
         restored = False
         if self._pending_state is not None:

@@ -195,7 +195,7 @@ def _load_data(cfg: RunConfig, data_fn: Callable[..., Any]) -> Any:
         return data_fn(**cfg.data.kwargs)
     except MNISTDownloadError as e:
         try:
-            params = inspect.signature(data_fn).parameters
+            params: Mapping[str, Any] = inspect.signature(data_fn).parameters
         except (TypeError, ValueError):
             params = {}
         where = "the DISTRAIN_DATA_DIR environment variable sets the parent directory"
@@ -220,16 +220,17 @@ def _callbacks(cfg: RunConfig, progress_bar: bool) -> list[Any]:
         out.append(cb.ProgressBar())
     log_dir = cfg.logging.dir
     wants_files = cfg.logging.tensorboard or cfg.logging.csv or cfg.logging.jsonl
-    if wants_files and log_dir is None:
-        raise ConfigError(
-            "logging.tensorboard/csv/jsonl need a directory: set logging.dir (e.g. runs/NAME)."
-        )
-    if cfg.logging.tensorboard:
-        out.append(cb.TensorBoard(log_dir))
-    if cfg.logging.csv:
-        out.append(cb.CSVLogger(os.path.join(log_dir, "epochs.csv")))
-    if cfg.logging.jsonl:
-        out.append(cb.JSONLinesLogger(os.path.join(log_dir, "metrics.jsonl")))
+    if wants_files:
+        if log_dir is None:
+            raise ConfigError(
+                "logging.tensorboard/csv/jsonl need a directory: set logging.dir (e.g. runs/NAME)."
+            )
+        if cfg.logging.tensorboard:
+            out.append(cb.TensorBoard(log_dir))
+        if cfg.logging.csv:
+            out.append(cb.CSVLogger(os.path.join(log_dir, "epochs.csv")))
+        if cfg.logging.jsonl:
+            out.append(cb.JSONLinesLogger(os.path.join(log_dir, "metrics.jsonl")))
     ck = cfg.checkpoint
     if ck.backup_dir is not None:
         out.append(cb.BackupAndRestore(ck.backup_dir, save_freq=ck.backup_freq))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, Self
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +36,10 @@ class TrainState:
     loss_scale: mp.DynamicLossScale | None = None
     tx: optax.GradientTransformation = struct.field(pytree_node=False, default=None)
     policy: mp.Policy | None = struct.field(pytree_node=False, default=None)
+
+    if TYPE_CHECKING:
+        # Added by @struct.dataclass at runtime; declared here so type checkers see it.
+        def replace(self, **changes: Any) -> Self: ...
 
     @classmethod
     def create(
@@ -120,7 +124,8 @@ class TrainState:
           all_reduce: sum ``grads`` over replicas first (in a replica context).
           **changes: other fields to replace, e.g. ``extra=...``.
         """
-        if jax.tree.structure(grads) != jax.tree.structure(self.params):
+        # The ignore: jaxlib ships no stubs for PyTreeDef, so mypy cannot see its __ne__.
+        if jax.tree.structure(grads) != jax.tree.structure(self.params):  # type: ignore[operator]
             raise ValueError(
                 "`apply_gradients(grads=...)` needs gradients with the structure of "
                 f"`params`. Received:\n  grads:  {jax.tree.structure(grads)}\n  params: "

@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from distrain._validate import optional_positive_int, positive_int
 from distrain.context import get_strategy
 from distrain.strategy.base import Strategy
 from distrain.train import _functions as F
@@ -74,16 +75,6 @@ def auto_steps_per_execution(seconds_per_step: float, cap: int) -> int:
     while k > min(cap, _MAX_AUTO_STEPS):
         k //= 2
     return max(1, k)
-
-
-def _positive_int(name: str, value: Any) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}.")
-    return int(value)
-
-
-def _optional_positive_int(name: str, value: Any) -> int | None:
-    return None if value is None else _positive_int(name, value)
 
 
 def _check_strategy(strategy: Any) -> None:
@@ -177,7 +168,7 @@ class Trainer:
             if fn is not None and not callable(fn):
                 raise TypeError(f"`{name}` must be a function. Received: {fn!r}.")
         self.train_step = train_step
-        self.grad_accum_steps = _positive_int("grad_accum_steps", grad_accum_steps)
+        self.grad_accum_steps = positive_int("grad_accum_steps", grad_accum_steps)
         self._input_mode = _input.check_mode(input_mode)
         # One optimizer update per batch, over grad_accum_steps micro-batches of it.
         self._step_fn = (
@@ -196,9 +187,9 @@ class Trainer:
                 f"{steps_per_execution!r}."
             )
         self.steps_per_execution = (
-            1 if self._auto_k else _positive_int("steps_per_execution", steps_per_execution)
+            1 if self._auto_k else positive_int("steps_per_execution", steps_per_execution)
         )
-        self.log_every = _positive_int("log_every", log_every)
+        self.log_every = positive_int("log_every", log_every)
         self.mask_key = mask_key
         self._donate = (0,) if donate_state else ()
         self.is_chief = self.strategy.is_chief
@@ -326,13 +317,13 @@ class Trainer:
           DataEndedError: ``data`` ran out before ``steps``/``epochs`` were done.
           TypeError: ``train_step`` returned something other than ``(new_state, metrics)``.
         """
-        if self.train_step is None:
+        if self.train_step is None or self._step_fn is None:
             raise ValueError(
                 "`Trainer.fit` needs a train_step: pass Trainer(strategy, train_step)."
             )
-        epochs = _optional_positive_int("epochs", epochs)
-        steps = _optional_positive_int("steps", steps)
-        validation_freq = _positive_int("validation_freq", validation_freq)
+        epochs = optional_positive_int("epochs", epochs)
+        steps = optional_positive_int("steps", steps)
+        validation_freq = positive_int("validation_freq", validation_freq)
         if validation_data is not None and self.eval_step is None:
             raise ValueError(
                 "`validation_data` needs an eval_step: pass Trainer(strategy, train_step, "
@@ -351,7 +342,7 @@ class Trainer:
         dist = _inference.distribute(self.strategy, data)
         self.epochs, self.steps = epochs, steps
         self.steps_per_epoch = (
-            _positive_int("steps_per_epoch", steps_per_epoch)
+            positive_int("steps_per_epoch", steps_per_epoch)
             if steps_per_epoch is not None
             else steps_per_epoch_of(data)
         )
@@ -407,15 +398,16 @@ class Trainer:
             return True
         return self.steps is not None and self.global_step >= self.steps
 
-    def _steps_left_in_epoch(self) -> int:
-        left = math.inf
+    def _steps_left_in_epoch(self) -> float:
+        """Steps before the epoch or the run ends (``math.inf`` when neither is bounded)."""
+        left: float = math.inf
         if self.steps_per_epoch is not None:
             left = self.steps_per_epoch - self.step_in_epoch
         if self.steps is not None:
             left = min(left, self.steps - self.global_step)
         return left
 
-    def _run_epoch(self, cbs: CallbackList) -> dict[str, float] | None:
+    def _run_epoch(self, cbs: CallbackList) -> dict[str, float]:
         """Runs one epoch's steps; returns the epoch's training metrics."""
         assert self._passes is not None
         cbs.call("on_epoch_begin", self.epoch, None)
@@ -449,7 +441,7 @@ class Trainer:
         if done == 1:
             jax.block_until_ready(self.state)
             self._calibration = time.perf_counter()
-        elif done == 1 + _CALIBRATION_STEPS:
+        elif done == 1 + _CALIBRATION_STEPS and self._calibration is not None:
             jax.block_until_ready(self.state)
             per_step = (time.perf_counter() - self._calibration) / _CALIBRATION_STEPS
             caps = [self.log_every, *(cb.step_interval for cb in cbs)]
@@ -532,7 +524,7 @@ class Trainer:
     # ---------------------------------------------------------- metric sums
     def _flush_window(self) -> dict[str, float] | None:
         """Reads the device accumulator (host sync), folds it into the epoch sums."""
-        if self._acc is None or self._window_steps == 0:
+        if self._acc is None or self._layout is None or self._window_steps == 0:
             return None
         host = self._layout.unpack(jax.device_get(self.strategy.reduce("sum", self._acc)))
         self._acc = self._zero_acc
@@ -589,7 +581,7 @@ class Trainer:
                 "`Trainer.evaluate` needs an eval_step: pass Trainer(strategy, train_step, "
                 "eval_step)."
             )
-        steps = _optional_positive_int("steps", steps)
+        steps = optional_positive_int("steps", steps)
         if steps is None:
             steps = steps_per_epoch_of(data)
         cbs = _callbacks or CallbackList([*self.callbacks, *callbacks], self)
@@ -625,7 +617,7 @@ class Trainer:
             raise ValueError(
                 "`Trainer.predict` needs a predict_step: pass Trainer(..., predict_step=fn)."
             )
-        steps = _optional_positive_int("steps", steps)
+        steps = optional_positive_int("steps", steps)
         if steps is None:
             steps = steps_per_epoch_of(data)
         cbs = CallbackList([*self.callbacks, *callbacks], self)

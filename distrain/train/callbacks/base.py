@@ -68,6 +68,16 @@ class Callback:
     def set_trainer(self, trainer: Trainer) -> None:
         self.trainer = trainer
 
+    @property
+    def _fit_trainer(self) -> Trainer:
+        """``self.trainer`` where a hook needs one: it is set before any hook runs."""
+        if self.trainer is None:
+            raise RuntimeError(
+                f"{type(self).__name__} is not attached to a Trainer: pass it in "
+                "Trainer(callbacks=[...]) or fit(callbacks=[...]) instead of calling its hooks."
+            )
+        return self.trainer
+
     def on_train_begin(self, logs: Logs | None = None) -> None:
         """Before the first step. Raise here to fail early (e.g. an unwritable directory)."""
 

@@ -106,7 +106,7 @@ class _Saver(Callback):
         numbering continues after the newest checkpoint, so every save is written and
         the newest checkpoint is always the newest state.
         """
-        t = self.trainer
+        t = self._fit_trainer
         if self._offset is None:  # decided at the first save, after any resume
             latest = self.manager.latest_step()
             self._offset = 0 if latest is None else max(0, latest - t.initial_step)
@@ -114,7 +114,7 @@ class _Saver(Callback):
 
     def _save(self) -> bool:
         """Saves the trainer's state and position now (all processes call it together)."""
-        t = self.trainer
+        t = self._fit_trainer
         if t is None or self.manager is None:
             return False
         if not state_is_finite(t.state):
@@ -216,7 +216,7 @@ class ModelCheckpoint(_Saver):
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if self.save_freq != "epoch":
             return
-        if self.save_best_only:
+        if self.save_best_only and self.monitor is not None:  # set: checked in __init__
             value = (logs or {}).get(self.monitor)
             if value is None or np.isnan(value):
                 return
@@ -288,7 +288,7 @@ class BackupAndRestore(_Saver):
         self._open()
         self.restored_step = None
         self._calls = 0
-        t = self.trainer
+        t = self._fit_trainer
         restored = self.manager.restore(target=t.state)
         if restored is not None:
             progress = (restored.metadata or {}).get("progress")
@@ -308,7 +308,7 @@ class BackupAndRestore(_Saver):
     def on_train_batch_end(self, info: StepInfo) -> None:
         self._calls += 1
         if self._preemption is not None and self._preemption.should_stop(self._calls):
-            finite = state_is_finite(self.trainer.state)
+            finite = state_is_finite(self._fit_trainer.state)
             self._save()
             latest = self.manager.latest_step()
             self._finish()
@@ -316,7 +316,7 @@ class BackupAndRestore(_Saver):
                 # 143 means "saved, run again to continue": not true here.
                 self._close_preemption()
                 raise FloatingPointError(
-                    f"BackupAndRestore: preempted at step {self.trainer.global_step}, but the "
+                    f"BackupAndRestore: preempted at step {self._fit_trainer.global_step}, but the "
                     "state holds NaN or infinity, so it was not saved; the newest backup in "
                     f"{self.directory} is step {latest}, the last good state. Fix the cause "
                     "(e.g. lower the learning rate) before resuming from it."
@@ -330,7 +330,7 @@ class BackupAndRestore(_Saver):
             self._save()
 
     def on_train_end(self, logs: Logs | None = None) -> None:
-        t = self.trainer
+        t = self._fit_trainer
         finite = t is None or state_is_finite(t.state)
         if finite and not self.delete_checkpoint:
             # Back up the finished state: running the same fit again restores it and

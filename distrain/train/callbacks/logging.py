@@ -196,7 +196,7 @@ class CSVLogger(Callback):
                 self._rows = list(csv.DictReader(f))
             if _resumed(self):
                 # Rows of epochs after the restored checkpoint are redone by this run.
-                done = self.trainer.initial_epoch
+                done = self._fit_trainer.initial_epoch
                 self._rows = [r for r in self._rows if int(r.get("epoch", 0)) < done]
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:

@@ -75,10 +75,13 @@ def peak_flops_per_device(device_kind: str | None = None) -> float | None:
 def _positive(name: str, value: Any, *, allow_none: bool = True) -> float | None:
     if value is None and allow_none:
         return None
+    return _positive_number(name, value, " or None" if allow_none else "")
+
+
+def _positive_number(name: str, value: Any, or_none: str = "") -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
         raise ValueError(
-            f"Throughput `{name}` must be a positive number{' or None' if allow_none else ''}. "
-            f"Received: {name}={value!r}."
+            f"Throughput `{name}` must be a positive number{or_none}. Received: {name}={value!r}."
         )
     if not math.isfinite(value):
         raise ValueError(f"Throughput `{name}` must be finite. Received: {name}={value!r}.")
@@ -128,7 +131,7 @@ class Throughput(Callback):
         num_devices: int | None = None,
         print_fn: Callable[[str], None] | None = None,
     ) -> None:
-        self.global_batch_size = _positive("global_batch_size", global_batch_size, allow_none=False)
+        self.global_batch_size = _positive_number("global_batch_size", global_batch_size)
         self.tokens_per_example = _positive("tokens_per_example", tokens_per_example)
         if flops_per_example is not None and flops_per_token is not None:
             raise ValueError(
@@ -143,14 +146,16 @@ class Throughput(Callback):
                 "tokens_per_example=None."
             )
         fpe = _positive("flops_per_example", flops_per_example)
-        self.flops_per_example = fpt * self.tokens_per_example if fpt is not None else fpe
+        if fpt is not None and self.tokens_per_example is not None:  # both, checked above
+            fpe = fpt * self.tokens_per_example
+        self.flops_per_example = fpe
         self._peak_arg = (
             peak_flops_per_device
             if peak_flops_per_device == "auto"
             else _positive("peak_flops_per_device", peak_flops_per_device)
         )
         self.num_devices = (
-            None if num_devices is None else int(_positive("num_devices", num_devices) or 0)
+            None if num_devices is None else int(_positive_number("num_devices", num_devices))
         )
         self.print_fn = print_fn
         self.records: list[dict[str, float]] = []

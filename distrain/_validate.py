@@ -1,0 +1,36 @@
+"""Argument checks shared by the public API, with one message template.
+
+Every positive-count argument (steps, intervals, pack counts) is checked here so a
+user sees the same sentence whichever class they misconfigured::
+
+    `save_interval_steps` must be a positive int. Received: save_interval_steps=0.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+
+def positive_int(name: str, value: Any, *, hint: str = "") -> int:
+    """``value`` as an int >= 1 (bools refused), else ``ValueError`` naming ``name``.
+
+    Example:
+      >>> positive_int("steps", 3)
+      3
+    """
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}.{hint}")
+    return int(value)
+
+
+def optional_positive_int(name: str, value: Any, *, hint: str = "") -> int | None:
+    """As :func:`positive_int`, with ``None`` allowed (and returned) for "no limit"."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
+        raise ValueError(
+            f"`{name}` must be a positive int or None. Received: {name}={value!r}.{hint}"
+        )
+    return int(value)
