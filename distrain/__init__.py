@@ -61,6 +61,7 @@ _LAZY = {
     "InputContext": "distrain.data.distributed:InputContext",
     "InputOptions": "distrain.data.distributed:InputOptions",
     "callbacks": "distrain.callbacks",
+    "config": "distrain.config",
 }
 __getattr__, __dir__ = _lazy.exports(globals(), _LAZY)
 
@@ -98,6 +99,7 @@ __all__ = [
     "accumulate_gradients",
     "callbacks",
     "checkpoint",
+    "config",
     "compute_average_loss",
     "data",
     "experimental",

@@ -19,6 +19,7 @@ from distrain.train.callbacks import StepInfo as StepInfo
 from distrain.train.callbacks import TensorBoard as TensorBoard
 from distrain.train.callbacks import TerminateOnNaN as TerminateOnNaN
 from distrain.train.callbacks import Throughput as Throughput
+from distrain.train.callbacks.throughput import format_throughput as format_throughput
 
 __all__ = [
     "BackupAndRestore",
@@ -35,4 +36,5 @@ __all__ = [
     "TensorBoard",
     "TerminateOnNaN",
     "Throughput",
+    "format_throughput",
 ]

@@ -32,10 +32,6 @@ import optax
 from flax import nnx
 
 import distrain as dt
-from distrain.data.pipeline import ArrayPipeline
-from distrain.train import callbacks as cbs
-from distrain.train.callbacks.throughput import format_throughput
-from distrain.train.metrics import Mean
 from examples.lm.model import LMConfig, Transformer, count_params, flops_per_token, make_apply_fn
 
 ApplyFn = Callable[[Any, jax.Array], jax.Array]
@@ -43,7 +39,7 @@ ApplyFn = Callable[[Any, jax.Array], jax.Array]
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Perplexity(Mean):
+class Perplexity(dt.metrics.Mean):
     """``exp`` of the mean per-token loss, accumulated as (total, count) like ``Mean``."""
 
     def compute(self) -> Any:
@@ -86,7 +82,7 @@ def train_step(
 
     grads, (per_token, weights) = jax.grad(loss_fn, has_aux=True)(state.params)
     state = state.apply_gradients(grads=grads)  # gradients summed over replicas
-    return state, {"loss": Mean.from_values(per_token, mask=weights)}
+    return state, {"loss": dt.metrics.Mean.from_values(per_token, mask=weights)}
 
 
 def eval_step(
@@ -99,7 +95,7 @@ def eval_step(
     """Held-out ``loss`` (mean per token) and ``perplexity``; padded rows do not count."""
     per_token, weights = _token_losses(state.params, batch, apply_fn, mask_key)
     return {
-        "loss": Mean.from_values(per_token, mask=weights),
+        "loss": dt.metrics.Mean.from_values(per_token, mask=weights),
         "perplexity": Perplexity.from_values(per_token, mask=weights),
     }
 
@@ -189,9 +185,7 @@ class Settings:
 
 def settings_from_config(path: str, overrides: list[str] | tuple[str, ...] = ()) -> Settings:
     """Reads a ``distrain train`` config (``configs/lm_*.yaml``) into :class:`Settings`."""
-    from distrain.train.config import load_config
-
-    cfg = load_config(path, list(overrides))
+    cfg = dt.config.load_config(path, list(overrides))
     if cfg.train.steps is None:
         raise ValueError(
             f"{path}: the LM example counts training in steps; train.steps is null "
@@ -222,8 +216,6 @@ def init_state(s: Settings) -> tuple[ApplyFn, dt.TrainState]:
 
 
 def load_splits(s: Settings) -> dict[str, dict[str, np.ndarray]]:
-    from distrain.train.run import resolve_callable
-
     kwargs = dict(s.data_kwargs)
     if kwargs.setdefault("seq_len", s.model.seq_len) != s.model.seq_len:
         raise ValueError(
@@ -231,7 +223,7 @@ def load_splits(s: Settings) -> dict[str, dict[str, np.ndarray]]:
             f"({s.model.seq_len}); the rows must hold seq_len + 1 tokens of the model. Set both "
             "to the same value."
         )
-    return resolve_callable(s.data_fn, "data.fn")(**kwargs)
+    return dt.config.resolve_callable(s.data_fn, "data.fn")(**kwargs)
 
 
 def make_strategy(s: Settings) -> dt.Strategy:
@@ -278,10 +270,10 @@ def train_and_evaluate(
         f"on {jax.devices()[0].device_kind}; train {rows['train']:,} x {cfg.seq_len} tokens, "
         f"held-out {rows['test']:,} sequences"
     )
-    train = ArrayPipeline(
+    train = dt.data.ArrayPipeline(
         splits["train"], global_batch_size=s.global_batch_size, seed=s.seed, num_epochs=None
     )
-    test = ArrayPipeline(
+    test = dt.data.ArrayPipeline(
         splits["test"],
         global_batch_size=s.eval_batch_size or s.global_batch_size,
         shuffle=False,
@@ -289,23 +281,23 @@ def train_and_evaluate(
         drop_remainder=False,
         mask_key="mask",
     )
-    throughput = cbs.Throughput(
+    throughput = dt.callbacks.Throughput(
         s.global_batch_size,
         tokens_per_example=cfg.seq_len,
         flops_per_token=fpt,
         peak_flops_per_device=s.peak_flops if s.peak_flops is not None else "auto",
     )
-    callbacks: list[cbs.Callback] = [throughput]
+    callbacks: list[dt.callbacks.Callback] = [throughput]
     if progress:
-        callbacks.append(cbs.ProgressBar())
+        callbacks.append(dt.callbacks.ProgressBar())
     if workdir is not None:
         callbacks += [
-            cbs.BackupAndRestore(os.path.join(workdir, "backup"), save_freq=s.eval_every),
-            cbs.ModelCheckpoint(os.path.join(workdir, "checkpoints"), max_to_keep=1),
+            dt.callbacks.BackupAndRestore(os.path.join(workdir, "backup"), save_freq=s.eval_every),
+            dt.callbacks.ModelCheckpoint(os.path.join(workdir, "checkpoints"), max_to_keep=1),
         ]
     if s.profile is not None:
         logdir = os.path.join(workdir or out_dir or ".", "profile")
-        callbacks.append(cbs.ProfilerWindow(*s.profile, logdir))
+        callbacks.append(dt.callbacks.ProfilerWindow(*s.profile, logdir))
     bound = functools.partial(train_step, apply_fn=apply_fn)
     trainer = dt.Trainer(
         strategy,
@@ -334,7 +326,7 @@ def train_and_evaluate(
     tp = throughput.summary()
     if tp is not None:
         tokens = f"{s.global_batch_size} x {cfg.seq_len} tokens/step"
-        log(f"throughput: {format_throughput(tp)} ({tokens})")
+        log(f"throughput: {dt.callbacks.format_throughput(tp)} ({tokens})")
 
     params = jax.device_get(state.params)  # one host copy; sampling runs on one device
     samples = {

@@ -1,0 +1,75 @@
+"""One public path per name: the public modules re-export, and users import only them.
+
+Every name in a public module's ``__all__`` exists and is documented; the examples
+and the documentation import nothing else from distrain (what they show is what users
+write).
+"""
+
+import ast
+import importlib
+import inspect
+import pathlib
+import re
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+PUBLIC = (
+    "distrain",
+    "distrain.callbacks",
+    "distrain.config",
+    "distrain.data",
+    "distrain.experimental",
+    "distrain.experimental.coordinator",
+    "distrain.experimental.partitioners",
+    "distrain.metrics",
+    "distrain.mixed_precision",
+)
+# Not public API, still imported by examples and configs: the seed models the shipped
+# configs name (`distrain.train.zoo:mlp`). Known debt: they belong with the examples.
+TOLERATED = {"distrain.train.zoo"}
+
+
+@pytest.mark.parametrize("name", PUBLIC)
+def test_every_public_name_exists_and_is_documented(name):
+    module = importlib.import_module(name)
+    assert module.__doc__, f"{name} has no docstring"
+    exported = module.__all__
+    assert len(exported) == len(set(exported)), f"{name}.__all__ repeats a name"
+    for attr in exported:
+        value = getattr(module, attr)  # lazy names load here
+        if inspect.isclass(value) or inspect.isfunction(value) or inspect.ismodule(value):
+            assert inspect.getdoc(value), f"{name}.{attr} has no docstring"
+
+
+def _imports(code: str) -> set[str]:
+    names = set()
+    try:
+        tree = ast.parse(code)
+    except SyntaxError:  # an illustrative block (a signature): read its import lines
+        found = re.findall(r"^\s*(?:from|import)\s+(distrain[\w.]*)", code, re.M)
+        return set(found)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            for alias in node.names:  # `from distrain.train import zoo` imports a module
+                full = f"{node.module}.{alias.name}"
+                names.add(full if full in TOLERATED else node.module)
+        elif isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+    return {n for n in names if n == "distrain" or n.startswith("distrain.")}
+
+
+def _sources():
+    for path in sorted((ROOT / "examples").rglob("*.py")):
+        yield path, path.read_text()
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for i, block in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S)):
+            yield f"{path} block {i + 1}", block
+
+
+def test_examples_and_docs_import_only_public_modules():
+    bad = []
+    for where, code in _sources():
+        for module in _imports(code) - set(PUBLIC) - TOLERATED:
+            bad.append(f"{where}: {module}")
+    assert not bad, "non-public imports:\n" + "\n".join(bad)
