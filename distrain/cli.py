@@ -107,6 +107,10 @@ def _train(args: argparse.Namespace) -> int:
         return 0
     from distrain.train.run import run_config
 
+    # Import paths in the config resolve from the working directory, as with
+    # `python -m`: a console script's sys.path starts at its own bin/ directory.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         run_config(cfg, progress_bar=not args.no_progress)
     except Exception as e:

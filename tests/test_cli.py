@@ -118,9 +118,19 @@ def _distrain_command() -> list[str]:
 
 
 def test_console_script_runs_the_quickstart(tmp_path):
-    """The installed `distrain` entry point, as a real process, prints the accuracy."""
+    """The installed `distrain` entry point, as a real process, prints the accuracy; import
+    paths in the config resolve from the working directory (as with `python -m`)."""
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    cmd = [*_distrain_command(), "train", "--config", QUICKSTART, "--no-progress", "train.epochs=1"]
+    (tmp_path / "mydigits.py").write_text("from distrain.train.zoo import digits as splits\n")
+    cmd = [
+        *_distrain_command(),
+        "train",
+        "--config",
+        QUICKSTART,
+        "--no-progress",
+        "train.epochs=1",
+        "data.fn=mydigits:splits",  # a module in the working directory only
+    ]
     proc = subprocess.Popen(
         cmd,
         cwd=tmp_path,

@@ -19,6 +19,8 @@ from distrain.train.config import ConfigError, config_from_dict, load_config
         ("data", "global_batch_size", -8, r"data.global_batch_size must be >= 1"),
         ("data", "eval_batch_size", 0, r"data.eval_batch_size must be >= 1 or null"),
         ("checkpoint", "max_to_keep", 0, r"checkpoint.max_to_keep must be >= 1"),
+        ("train", "grad_accum_steps", 0, r"train.grad_accum_steps must be >= 1.*Received: 0"),
+        ("train", "policy", "bfloat16", r"'train.policy' must be one of.*'mixed_bfloat16'"),
     ],
 )
 def test_bad_values_are_config_errors(section, key, value, match):
@@ -64,3 +66,8 @@ def test_yaml_merge_keys_still_override(tmp_path):
     p = tmp_path / "merge.yaml"
     p.write_text("model:\n  kwargs: &k {a: 1, b: 2}\ndata:\n  kwargs:\n    <<: *k\n    b: 3\n")
     assert load_config(p).data.kwargs == {"a": 1, "b": 3}
+
+
+def test_shard_state_needs_a_data_parallel_strategy():
+    with pytest.raises(ConfigError, match=r"strategy.shard_state applies to.*'one_device'"):
+        config_from_dict({"strategy": {"name": "one_device", "shard_state": True}})

@@ -4,6 +4,8 @@ end to end in-process with few steps and every log and checkpoint file switched 
 import json
 import os
 
+import jax
+
 from distrain.cli import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,3 +37,25 @@ def test_quickstart_end_to_end_few_steps(tmp_path, capsys, devices):
     events = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [e["epoch"] for e in events if e["event"] == "epoch"] == [0, 1]
     assert sorted(int(s) for s in os.listdir(tmp_path / "ckpt") if s.isdigit()) == [22, 44]
+
+
+def test_quickstart_sharded_mixed_precision_accumulated(devices):
+    """strategy.shard_state, train.policy and train.grad_accum_steps reach the run."""
+    import distrain as dt
+
+    overrides = [
+        "train.epochs=2",
+        "train.validation_freq=2",
+        "strategy.shard_state=true",
+        "train.policy=mixed_bfloat16",
+        "train.grad_accum_steps=2",
+        "logging.progress_bar=false",
+    ]
+    cfg = dt.config.load_config(QUICKSTART, overrides)
+    result = dt.config.run_config(cfg, progress_bar=False, print_fn=None)
+    assert result.test_metrics["accuracy"] > 0.7  # 44 updates of 2 micro-batches each
+    state = result.state
+    assert state.policy.name == "mixed_bfloat16"
+    assert all(p.dtype == "float32" for p in jax.tree.leaves(state.params))  # master weights
+    report = dt.MirroredStrategy(shard_state=True).memory_report(state)
+    assert report["bytes_per_device"] < report["bytes_full_copy"] / 4  # stored split

@@ -61,12 +61,23 @@ class StrategyConfig:
       devices: for ``mirrored``/``central_storage``: device names like ``"cpu:0"``;
         default all local devices. For ``one_device``: the first entry (default the
         first device).
+      shard_state: for ``mirrored``/``multi_worker_mirrored``: store parameters and
+        optimizer state split over the devices (docs/scaling.md).
     """
 
     name: Literal[
         "mirrored", "one_device", "default", "multi_worker_mirrored", "central_storage"
     ] = "mirrored"
     devices: list[str] | None = None
+    shard_state: bool = False
+
+    def __post_init__(self) -> None:
+        if self.shard_state and self.name not in ("mirrored", "multi_worker_mirrored"):
+            raise ConfigError(
+                "strategy.shard_state applies to strategy.name mirrored or "
+                f"multi_worker_mirrored. Received: strategy.name={self.name!r}; set "
+                "strategy.shard_state=false or change the strategy."
+            )
 
 
 @dataclasses.dataclass
@@ -159,6 +170,10 @@ class TrainConfig:
       steps_per_execution: steps fused into one compiled dispatch.
       log_every: steps between host syncs for metrics.
       validation_freq: validate every this many epochs.
+      grad_accum_steps: micro-batches per optimizer update (``Trainer(grad_accum_steps)``).
+      policy: mixed precision: ``float32``, ``mixed_bfloat16`` or ``mixed_float16``
+        (``TrainState.create(policy=...)``; the step must take gradients with
+        ``state.value_and_grad``, as the built-in classification step does).
     """
 
     train_step: str = "distrain.train.zoo:classification_train_step"
@@ -169,6 +184,8 @@ class TrainConfig:
     steps_per_execution: int = 1
     log_every: int = 50
     validation_freq: int = 1
+    grad_accum_steps: int = 1
+    policy: Literal["float32", "mixed_bfloat16", "mixed_float16"] = "float32"
 
     def __post_init__(self) -> None:
         for name in ("epochs", "steps"):
@@ -177,7 +194,7 @@ class TrainConfig:
                 raise ConfigError(f"train.{name} must be >= 1 or null. Received: {v}.")
         if self.epochs is None and self.steps is None:
             raise ConfigError("train.epochs and train.steps are both null; set at least one.")
-        for name in ("steps_per_execution", "log_every", "validation_freq"):
+        for name in ("steps_per_execution", "log_every", "validation_freq", "grad_accum_steps"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"train.{name} must be >= 1. Received: {getattr(self, name)}.")
 

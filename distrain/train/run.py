@@ -98,13 +98,13 @@ def build_strategy(cfg: StrategyConfig) -> Any:
     import distrain as dt
 
     if cfg.name == "mirrored":
-        return dt.MirroredStrategy(cfg.devices)
+        return dt.MirroredStrategy(cfg.devices, shard_state=cfg.shard_state)
     if cfg.name == "one_device":
         return dt.OneDeviceStrategy(cfg.devices[0] if cfg.devices else jax.devices()[0])
     if cfg.name == "default":
         return dt.get_strategy()
     if cfg.name == "multi_worker_mirrored":
-        return dt.MultiWorkerMirroredStrategy()
+        return dt.MultiWorkerMirroredStrategy(shard_state=cfg.shard_state)
     return dt.experimental.CentralStorageStrategy(compute_devices=cfg.devices)
 
 
@@ -279,7 +279,8 @@ def run_config(
     tx = _optimizer(cfg.optimizer.name, cfg.optimizer.learning_rate, cfg.optimizer.kwargs)
     # One compiled call instead of one small program per optimizer-state leaf. The RNG
     # is a raw uint32[2] key: typed key arrays cannot yet be placed across processes.
-    state = jax.jit(lambda p, k: TrainState.create(params=p, tx=tx, rng=k))(
+    policy = cfg.train.policy
+    state = jax.jit(lambda p, k: TrainState.create(params=p, tx=tx, rng=k, policy=policy))(
         params, jax.random.PRNGKey(cfg.seed + 1)
     )
 
@@ -310,6 +311,7 @@ def run_config(
         callbacks=[*_callbacks(cfg, progress_bar), *callbacks],
         steps_per_execution=cfg.train.steps_per_execution,
         log_every=cfg.train.log_every,
+        grad_accum_steps=cfg.train.grad_accum_steps,
     )
     state, history = trainer.fit(
         state,

@@ -172,7 +172,10 @@ def classification_train_step(
         per_example = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
         return compute_average_loss(per_example, mask=mask), (logits, per_example)
 
-    grads, (logits, per_example) = jax.grad(loss_fn, has_aux=True)(state.params)
+    # state.value_and_grad: jax.value_and_grad under the state's mixed-precision policy.
+    (_, (logits, per_example)), grads = state.value_and_grad(loss_fn, has_aux=True)(
+        state.params
+    )
     state = state.apply_gradients(grads=grads)
     return state, {
         "loss": Mean.from_values(per_example, mask=mask),
