@@ -169,8 +169,15 @@ def _check_dtypes(leaves: list[Any], treedef: Any) -> None:
             )
 
 
+def _rows(x: Any) -> int | None:
+    """Leading dimension of a leaf (None for a scalar); ``.shape`` first: np.shape's
+    dispatch costs more than the rest of a step's input checks on a fast path."""
+    shape = x.shape if hasattr(x, "shape") else np.shape(x)
+    return int(shape[0]) if len(shape) else None
+
+
 def _batch_size(leaves: list[Any], treedef: Any) -> int:
-    sizes = {int(np.shape(x)[0]) if np.ndim(x) else None for x in leaves}
+    sizes = {_rows(x) for x in leaves}
     size = sizes.pop() if len(sizes) == 1 else None
     if size is None:  # leaves disagree, or a scalar leaf has no batch dimension
         shapes = _shapes(leaves, treedef)
@@ -229,6 +236,10 @@ def _whole_arrays_error(data: Any) -> str | None:
     return None
 
 
+def _same(a: jax.sharding.Sharding, b: jax.sharding.Sharding) -> bool:
+    return a is b or a == b  # identity first: placed batches share the strategy's object
+
+
 def _rows_of(x: Any) -> Callable[[Any], np.ndarray]:
     """The callback giving ``x[idx]`` (this process's rows) as a NumPy array."""
     return lambda idx: np.asarray(x[idx])
@@ -237,9 +248,14 @@ def _rows_of(x: Any) -> Callable[[Any], np.ndarray]:
 def shard_global_batch(strategy: Strategy, batch: Any) -> PerReplica:
     """Splits a global batch over ``strategy``'s replicas; copies only local rows."""
     leaves, treedef = jax.tree.flatten(batch)
-    _per_replica(_batch_size(leaves, treedef), strategy.num_replicas_in_sync)
+    return _shard_global(strategy, leaves, treedef, _batch_size(leaves, treedef))
+
+
+def _shard_global(strategy: Strategy, leaves: list[Any], treedef: Any, size: int) -> PerReplica:
+    """``shard_global_batch`` of a batch already flattened and measured (``size`` rows)."""
+    _per_replica(size, strategy.num_replicas_in_sync)
     sharding = strategy._split
-    if all(isinstance(x, jax.Array) and x.sharding == sharding for x in leaves):
+    if all(isinstance(x, jax.Array) and _same(x.sharding, sharding) for x in leaves):
         arrays = leaves  # already placed: device_put would still cost ~0.3 ms per batch
     elif jax.process_count() == 1:
         arrays = jax.device_put(leaves, sharding)
@@ -253,7 +269,11 @@ def shard_global_batch(strategy: Strategy, batch: Any) -> PerReplica:
 def shard_local_batch(strategy: Strategy, batch: Any) -> PerReplica:
     """Assembles the global batch from this process's rows."""
     leaves, treedef = jax.tree.flatten(batch)
-    local = _batch_size(leaves, treedef)
+    return _shard_local(strategy, leaves, treedef, _batch_size(leaves, treedef))
+
+
+def _shard_local(strategy: Strategy, leaves: list[Any], treedef: Any, local: int) -> PerReplica:
+    """``shard_local_batch`` of a batch already flattened and measured (``local`` rows)."""
     n_local = _local_replicas(strategy)
     if local % n_local:
         raise ValueError(
@@ -393,9 +413,9 @@ class DistributedIterator:
 
     def _produce(self) -> tuple[PerReplica, Any]:
         while True:
-            batch = self._prepare(self._next_batch())
-            if batch is not None:
-                return self._place(batch), self._source_state()
+            prepared = self._prepare(self._next_batch())
+            if prepared is not None:
+                return self._place(*prepared), self._source_state()
 
     def _next_batch(self) -> Any:
         """The next step's batch: one source batch, or (TF's per-replica form) one per
@@ -416,8 +436,12 @@ class DistributedIterator:
         return jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *parts)
 
     # -- one batch
-    def _prepare(self, batch: Any) -> Any | None:
-        """Validates one batch; pads/masks or drops a partial one. None means skip."""
+    def _prepare(self, batch: Any) -> tuple[list[Any], Any, int] | None:
+        """Validates one batch; pads/masks or drops a partial one. None means skip.
+
+        Returns the batch to place as ``(leaves, treedef, rows)``: flattened and measured
+        once per batch, here.
+        """
         opts = self._ds._options
         leaves, treedef = jax.tree.flatten(batch)
         _check_dtypes(leaves, treedef)
@@ -428,6 +452,7 @@ class DistributedIterator:
         partial = size < full
         if partial and opts.drop_remainder:
             return None
+        padded = None
         if opts.mask_key is not None:
             if not isinstance(batch, dict):
                 raise TypeError(
@@ -442,11 +467,15 @@ class DistributedIterator:
                     "(only the last one smaller), or drop mask_key."
                 )
             if partial:
-                return self._pad(batch, size, full, opts.mask_key)  # padded to `full`: divisible
-        self._check_divisible(batch, size, full)
-        if opts.mask_key is not None and opts.mask_key not in batch:
-            return self._pad(batch, size, full, opts.mask_key)  # adds the all-ones mask
-        return batch
+                padded = self._pad(batch, size, full, opts.mask_key)  # `full` rows: divisible
+        if padded is None:
+            self._check_divisible(batch, size, full)
+            if opts.mask_key is not None and opts.mask_key not in batch:
+                padded = self._pad(batch, size, full, opts.mask_key)  # adds the all-ones mask
+        if padded is None:
+            return leaves, treedef, size
+        leaves, treedef = jax.tree.flatten(padded)
+        return leaves, treedef, full
 
     def _check_divisible(self, batch: Any, size: int, full: int) -> None:
         local, strategy = self._ds._process_local, self._ds._strategy
@@ -494,8 +523,8 @@ class DistributedIterator:
         out[key] = np.concatenate([mask, np.zeros(pad, np.float32)])
         return out
 
-    def _place(self, batch: Any) -> PerReplica:
+    def _place(self, leaves: list[Any], treedef: Any, rows: int) -> PerReplica:
         if self._ds._process_local:
-            return shard_local_batch(self._ds._strategy, batch)
-        return shard_global_batch(self._ds._strategy, batch)
+            return _shard_local(self._ds._strategy, leaves, treedef, rows)
+        return _shard_global(self._ds._strategy, leaves, treedef, rows)
 
