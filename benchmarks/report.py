@@ -45,7 +45,7 @@ RATIOS: tuple[tuple[str, str, str, float | None, str], ...] = (
         None,
         "issue 13",
     ),
-    ("fit auto spe / hand-written", "distrain_fit_auto", "jax_shard_map", 1.5, "issue 13"),
+    ("fit auto spe / hand-written", "distrain_fit_auto", "jax_shard_map", None, "issue 13"),
     ("fit pipeline / Keras 3 JAX fit", "distrain_fit_pipeline", "keras_jax_fit", 1.15, "issue 8"),
     (
         "fit pipeline / TF MirroredStrategy fit",
