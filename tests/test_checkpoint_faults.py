@@ -195,3 +195,83 @@ def test_a_directory_that_becomes_unwritable_ends_the_process_at_once(tmp_path):
         "Could not write checkpoint step 3, or the save of step 2 before it," in proc.stderr
     ), proc.stderr[-2000:]
     assert "to stay writable for the whole run" in proc.stderr
+
+
+# ------------------------------- item: a damaged step is one warning, not tracebacks
+_DAMAGED_RESTORE = """
+import sys
+import jax.numpy as jnp
+from distrain.checkpoint import CheckpointManager
+tree = {f"w{i}": jnp.full((64,), float(i)) for i in range(12)}  # many reads in flight
+with CheckpointManager(sys.argv[1]) as mgr:
+    if sys.argv[2] == "save":
+        for step in (1, 2):
+            mgr.save(step, tree, force=True)
+    else:
+        print("restored", mgr.restore(target=tree).step)
+"""
+
+
+def test_a_damaged_array_store_gives_one_warning_in_a_fresh_process(tmp_path):
+    """orbax's failed reads used to print ~20 'Event loop is closed' tracebacks (in about
+    half the runs): three fresh processes each print the fallback warning and no more."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+
+    def child(directory, what):
+        return subprocess.run(
+            [sys.executable, "-c", _DAMAGED_RESTORE, str(directory), what],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            env=env,
+            cwd=root,
+        )
+
+    for attempt in range(3):
+        directory = tmp_path / str(attempt)
+        assert child(directory, "save").returncode == 0
+        with open(directory / "2" / "state" / "manifest.ocdbt", "r+b") as f:
+            f.write(b"\x00garbled\x00")  # the array store's manifest no longer parses
+        proc = child(directory, "restore")
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        assert proc.stdout.strip() == "restored 1"
+        assert "Checkpoint" in proc.stderr and "is damaged" in proc.stderr
+        assert "Event loop is closed" not in proc.stderr, proc.stderr[-2000:]
+        assert "never retrieved" not in proc.stderr, proc.stderr[-2000:]
+        assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_only_the_closed_loop_echo_and_tensorstore_futures_are_silenced():
+    import asyncio
+    import logging
+    import types
+
+    from distrain.checkpoint import _quiet
+
+    loop = asyncio.new_event_loop()
+    loop.close()
+    try:
+        loop.call_soon_threadsafe(print)
+    except RuntimeError as e:
+        echo = types.SimpleNamespace(exc_value=e, exc_traceback=e.__traceback__)
+    assert _quiet._is_closed_loop_echo(echo)
+    try:
+        raise RuntimeError("Event loop is closed")  # the same words from user code
+    except RuntimeError as e:
+        user = types.SimpleNamespace(exc_value=e, exc_traceback=e.__traceback__)
+    assert not _quiet._is_closed_loop_echo(user)
+
+    def record(message, exc):
+        return logging.LogRecord(
+            "asyncio", logging.ERROR, __file__, 1, message, None, (type(exc), exc, None)
+        )
+
+    keep = _quiet._UnretrievedReadFilter()
+    read = ValueError('DATA_LOSS: Error opening "zarr" driver')
+    assert not keep.filter(record("Future exception was never retrieved", read))
+    assert keep.filter(record("Future exception was never retrieved", ValueError("user")))
+    assert keep.filter(record("Task was destroyed but it is pending!", read))

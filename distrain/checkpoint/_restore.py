@@ -21,7 +21,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from distrain.checkpoint import _fingerprint, _layout
+from distrain.checkpoint import _fingerprint, _layout, _quiet
 from distrain.checkpoint._layout import CheckpointCorruptionError, LeafInfo, PyTree
 
 
@@ -78,6 +78,7 @@ def _verify(restored: list[tuple[str, Any]], by_path: dict[str, LeafInfo], check
 
 
 def _read(mgr: ocp.CheckpointManager, step: int, abstract: PyTree) -> PyTree:
+    _quiet.install()  # a damaged step: one warning, not a traceback per failed read
     restore_args = ocp.checkpoint_utils.construct_restore_args(abstract)
     args = ocp.args.PyTreeRestore(item=abstract, restore_args=restore_args)
     return mgr.restore(step, args=ocp.args.Composite(state=args))["state"]

@@ -1,0 +1,61 @@
+"""Silences the echoes of a failed orbax read, so a damaged checkpoint is one warning.
+
+When orbax fails to read one array of a damaged step, it closes its event loop while
+tensorstore still completes the other reads; each completion then calls
+``loop.call_soon_threadsafe`` on the closed loop, and Python prints a
+``RuntimeError: Event loop is closed`` traceback per read (through
+``sys.unraisablehook``), sometimes followed by asyncio's "Future exception was never
+retrieved" with a tensorstore spec dump. Those reads belong to a step that is already
+being reported and set aside, so they are dropped here; every other unraisable
+exception and asyncio message is passed on unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from typing import Any
+
+_installed = False
+# tensorstore's status codes, as its errors start: the reads of a damaged step fail so.
+_TENSORSTORE_ERRORS = ("DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARGUMENT")
+
+
+def _is_closed_loop_echo(unraisable: Any) -> bool:
+    """A ``RuntimeError('Event loop is closed')`` raised by asyncio's closed-loop check."""
+    exc = unraisable.exc_value
+    if not (isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed"):
+        return False
+    tb = unraisable.exc_traceback
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    return tb is not None and os.path.basename(tb.tb_frame.f_code.co_filename) == "base_events.py"
+
+
+class _UnretrievedReadFilter(logging.Filter):
+    """Drops asyncio's "Future exception was never retrieved" for a tensorstore error."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith("Future exception was never retrieved"):
+            return True
+        exc = record.exc_info[1] if record.exc_info else None
+        text = str(exc) if exc is not None else message
+        return not any(code in text for code in _TENSORSTORE_ERRORS)
+
+
+def install() -> None:
+    """Installs both filters once per process (idempotent)."""
+    global _installed
+    if _installed:
+        return
+    _installed = True
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if not _is_closed_loop_echo(unraisable):
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    logging.getLogger("asyncio").addFilter(_UnretrievedReadFilter())
