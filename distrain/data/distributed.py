@@ -4,7 +4,8 @@ A ``DistributedDataset`` wraps any iterable of batches (NumPy or JAX pytrees, gr
 datasets and loaders, ``ArrayPipeline``). Each batch is checked (same leading size
 for every leaf, divisible by the number of replicas), split across replicas in order,
 and copied to the devices ahead of use (``InputOptions.prefetch`` batches, with
-asynchronous ``device_put``).
+asynchronous ``device_put``; a slow streaming source is read on a background thread,
+see ``InputOptions.prefetch_thread``).
 
 Two kinds of source:
 
@@ -25,7 +26,12 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+import queue
+import statistics
+import threading
+import time
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -48,15 +54,28 @@ class InputOptions:
         ``batch[mask_key]`` (1.0 real row, 0.0 padding) to *every* batch, so the
         structure never changes; use it with ``dt.compute_average_loss(..., mask=...)``.
       prefetch: batches copied to the devices ahead of use (0: copy on demand).
+      prefetch_thread: read, check and copy those batches on a background thread, so a
+        slow source (a generator that decodes, a grain dataset with transformations)
+        overlaps the steps. ``None`` (default): the first 8 batches are read on the
+        caller's thread and timed; if the median read takes over 1 ms, reading moves to
+        a thread (handing a batch across threads costs ~35 us, more than a fast source
+        takes). Sources in memory (an ``ArrayPipeline``, a list or tuple of batches)
+        stay on the caller's thread. Positions (``get_state``) are exact either way.
     """
 
     drop_remainder: bool = False
     mask_key: str | None = None
     prefetch: int = 2
+    prefetch_thread: bool | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.prefetch, int) or self.prefetch < 0:
             raise ValueError(f"`prefetch` must be an int >= 0. Received: {self.prefetch!r}.")
+        if self.prefetch_thread not in (None, True, False):
+            raise ValueError(
+                "`prefetch_thread` must be True, False or None (automatic). Received: "
+                f"{self.prefetch_thread!r}."
+            )
         if self.mask_key is not None and not isinstance(self.mask_key, str):
             raise ValueError(f"`mask_key` must be a str or None. Received: {self.mask_key!r}.")
 
@@ -217,8 +236,10 @@ def _whole_arrays_error(data: Any) -> str | None:
             counts = {r for r in map(rows, leaves) if r is not None}  # all are: checked above
             size = f"{counts.pop()} rows" if len(counts) == 1 else "rows " + str(sorted(counts))
             arg = "{" + ", ".join(f"{k!r}: ..." for k in data) + "}"
-            return "Received a dict of arrays: " + fix.format(arg=arg, what=": dicts") + (
-                f" Received {size}, keys {list(data)}."
+            return (
+                "Received a dict of arrays: "
+                + fix.format(arg=arg, what=": dicts")
+                + (f" Received {size}, keys {list(data)}.")
             )
         return None
     if rows(data) is not None and not isinstance(data, list | tuple):
@@ -229,8 +250,9 @@ def _whole_arrays_error(data: Any) -> str | None:
             return (
                 f"Received a tuple of {len(data)} whole arrays of {n.pop()} rows, read as "
                 "Keras's (x, y) (or (x, y, sample_weight)): "
-                + fix.format(arg="(x, y)", what=": (x_batch, y_batch) tuples, passed to your "
-                             "step as a tuple")
+                + fix.format(
+                    arg="(x, y)", what=": (x_batch, y_batch) tuples, passed to your step as a tuple"
+                )
                 + " If these are batches, pass them in a list."
             )
     return None
@@ -260,9 +282,7 @@ def _shard_global(strategy: Strategy, leaves: list[Any], treedef: Any, size: int
     elif jax.process_count() == 1:
         arrays = jax.device_put(leaves, sharding)
     else:
-        arrays = [
-            jax.make_array_from_callback(np.shape(x), sharding, _rows_of(x)) for x in leaves
-        ]
+        arrays = [jax.make_array_from_callback(np.shape(x), sharding, _rows_of(x)) for x in leaves]
     return PerReplica(jax.tree.unflatten(treedef, arrays), strategy.num_replicas_in_sync)
 
 
@@ -345,12 +365,48 @@ class DistributedDataset:
         return DistributedIterator(self)
 
 
+_END = object()  # the feeder's "source exhausted"
+# prefetch_thread=None: reads timed on the caller's thread before deciding, and the
+# median read above which a thread pays (handing a batch across threads costs ~35 us).
+_PROBE_READS = 8
+_SLOW_READ_SECONDS = 1e-3
+
+
+def _feed(ref: weakref.ref[DistributedIterator], out: queue.Queue[Any], stop: Any) -> None:
+    """The prefetch thread: produces batches into ``out`` until the source ends, an
+    error (delivered in order), ``stop``, or the iterator is garbage collected (it holds
+    the iterator only weakly, so an abandoned iterator ends its thread)."""
+    while not stop.is_set():
+        it = ref()
+        if it is None:
+            return
+        try:
+            item: Any = it._produce()
+        except StopIteration:
+            item = _END
+        except BaseException as e:  # raised when the consumer reaches this batch
+            item = (e, None)
+        del it
+        while True:
+            if stop.is_set():
+                return
+            try:
+                out.put(item, timeout=0.1)
+                break
+            except queue.Full:
+                if ref() is None:
+                    return
+        if item is _END or isinstance(item[0], BaseException):
+            return
+
+
 class DistributedIterator:
     """Iterator over per-replica batches, with ``get_state``/``set_state`` when the
     source iterator has them (the position counts consumed batches only).
 
-    Prefetching needs no thread: ``jax.device_put`` is asynchronous, so the copies of
-    the next ``prefetch`` batches run while the current step computes.
+    The next ``prefetch`` batches are read and copied ahead: on a background thread
+    (``InputOptions.prefetch_thread``), or on the caller's thread between steps, where
+    the asynchronous ``jax.device_put`` still overlaps the copies with the step.
     """
 
     def __init__(self, dataset: DistributedDataset) -> None:
@@ -361,6 +417,28 @@ class DistributedIterator:
         self._ahead: collections.deque[tuple[Any, Any]] = collections.deque()
         self._exhausted = False
         self._group: int | None = None  # source batches per step (see _next_batch)
+        opts, source = dataset._options, dataset._dataset
+        in_memory = hasattr(source, "mask_key") or isinstance(source, Sequence)  # no I/O
+        self._threaded = bool(opts.prefetch_thread) and opts.prefetch > 0
+        # Automatic: time the first reads here, move to a thread if they are slow.
+        self._probe: list[float] | None = (
+            [] if opts.prefetch_thread is None and opts.prefetch > 0 and not in_memory else None
+        )
+        self._feeder: tuple[threading.Thread, queue.Queue[Any], threading.Event] | None = None
+
+    def __del__(self) -> None:
+        feeder = getattr(self, "_feeder", None)  # absent if __init__ failed
+        if feeder is not None:
+            feeder[2].set()
+
+    def _stop_feeder(self) -> None:
+        """Stops the prefetch thread and waits for it (it may be inside the source)."""
+        if self._feeder is None:
+            return
+        thread, _, stop = self._feeder
+        stop.set()
+        thread.join()
+        self._feeder = None
 
     # -- state
     def _source_state(self) -> Any:
@@ -384,6 +462,7 @@ class DistributedIterator:
                 f"This iterator cannot restore a position: its source "
                 f"({type(self._source).__name__}) has no set_state()."
             )
+        self._stop_feeder()  # the source is the thread's until it has stopped
         self._ahead.clear()
         self._exhausted = False
         self._source.set_state(state)
@@ -394,10 +473,15 @@ class DistributedIterator:
         return self
 
     def __next__(self) -> PerReplica:
+        if self._threaded:
+            return self._next_from_thread()
         # Keep `prefetch` batches in flight beyond the one returned now.
         while not self._exhausted and len(self._ahead) <= self._ds._options.prefetch:
             try:
+                start = time.perf_counter()
                 self._ahead.append(self._produce())
+                if self._probe is not None:
+                    self._note_read(time.perf_counter() - start)
             except StopIteration:
                 self._exhausted = True
             except Exception as e:  # raised when the caller reaches that batch
@@ -409,6 +493,46 @@ class DistributedIterator:
         if isinstance(batch, Exception):
             raise batch
         self._state = state
+        return batch
+
+    def _note_read(self, seconds: float) -> None:
+        """``prefetch_thread=None``: after ``_PROBE_READS`` reads, a median read slower
+        than ``_SLOW_READ_SECONDS`` moves reading to a thread."""
+        probe = self._probe
+        assert probe is not None
+        probe.append(seconds)
+        if len(probe) == _PROBE_READS:
+            self._probe = None
+            self._threaded = statistics.median(probe) > _SLOW_READ_SECONDS
+
+    def _next_from_thread(self) -> PerReplica:
+        if self._ahead:  # read on this thread before reading moved to the thread
+            batch, state = self._ahead.popleft()
+            if isinstance(batch, Exception):
+                raise batch
+            self._state = state
+            return batch
+        if self._exhausted:
+            raise StopIteration
+        if self._feeder is None:
+            out: queue.Queue[Any] = queue.Queue(maxsize=self._ds._options.prefetch)
+            stop = threading.Event()
+            thread = threading.Thread(
+                target=_feed,
+                args=(weakref.ref(self), out, stop),
+                name="distrain-input",
+                daemon=True,
+            )
+            self._feeder = (thread, out, stop)
+            thread.start()
+        item = self._feeder[1].get()
+        if item is _END or isinstance(item[0], BaseException):
+            self._exhausted = True
+            self._stop_feeder()
+            if item is _END:
+                raise StopIteration
+            raise item[0]
+        batch, self._state = item
         return batch
 
     def _produce(self) -> tuple[PerReplica, Any]:
@@ -527,4 +651,3 @@ class DistributedIterator:
         if self._ds._process_local:
             return _shard_local(self._ds._strategy, leaves, treedef, rows)
         return _shard_global(self._ds._strategy, leaves, treedef, rows)
-
