@@ -504,6 +504,9 @@ def test_setup_errors(make):
         strategy.read_variables()
     with pytest.raises(TypeError, match="optax.GradientTransformation"):
         strategy.create_variables({"w": np.zeros(2)}, "adam")
+    bf16 = dt.TrainState.create(params={"w": np.zeros(2)}, tx=SGD, policy="mixed_bfloat16")
+    with pytest.raises(TypeError, match=r"not a dt.TrainState: pass state.params.*policy"):
+        strategy.create_variables(bf16, SGD)
     with pytest.raises(ValueError, match="produced no shards"):
         make(variable_partitioner=lambda shape, dtype: [0]).create_variables(
             {"w": np.zeros(2)}, SGD

@@ -192,6 +192,16 @@ class ParameterServerStrategy:
                 "create_variables expects an optax.GradientTransformation as tx (e.g. "
                 f"optax.adam(1e-3)). Received: {type(tx).__name__}."
             )
+        from distrain.train.state import TrainState
+
+        if isinstance(params, TrainState):
+            raise TypeError(
+                "create_variables expects the parameters, not a dt.TrainState: pass "
+                "state.params (the servers create and update the optimizer state). A "
+                "TrainState's mixed-precision policy and loss scale do not apply here: "
+                "the servers update float32 parameters; cast inside the worker step to "
+                "compute in bfloat16, and accumulate micro-batches there if needed."
+            )
         layout = Layout.plan(params, self.num_ps, self.variable_partitioner)
         pieces = layout.split([np.asarray(x) for x in jax.tree.leaves(params)])
         self._group = self._backend.create_group(
