@@ -10,6 +10,7 @@ Example:
 from __future__ import annotations
 
 import abc
+import typing
 from typing import Any
 
 import jax
@@ -27,24 +28,27 @@ class CrossDeviceOps(abc.ABC):
         """Returns ``tree`` summed over ``axis_name``; called per replica."""
 
 
-class AllReduce(CrossDeviceOps):
-    """One ``psum`` of the whole tree (the default; NCCL/ICI/gloo all-reduce)."""
+class _Psum(CrossDeviceOps, abc.ABC):
+    """One ``psum`` of the whole tree; JAX picks the transport (NCCL, ICI, gloo)."""
 
     def all_sum(self, tree: Any, axis_name: str) -> Any:
         return jax.lax.psum(tree, axis_name)
 
     def __repr__(self) -> str:
-        return "AllReduce()"
+        return f"{type(self).__name__}()"
 
 
-class NcclAllReduce(AllReduce):
+@typing.final
+class AllReduce(_Psum):
+    """One ``psum`` of the whole tree (the default; NCCL/ICI/gloo all-reduce)."""
+
+
+@typing.final
+class NcclAllReduce(_Psum):
     """``tf.distribute.NcclAllReduce``'s name for :class:`AllReduce`.
 
     JAX picks the transport (NCCL on GPU, gloo on CPU), so this is the same algorithm.
     """
-
-    def __repr__(self) -> str:
-        return "NcclAllReduce()"
 
 
 class ReductionToOneDevice(CrossDeviceOps):

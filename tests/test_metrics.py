@@ -96,3 +96,15 @@ def test_padded_eval_mean_is_exact_over_replicas(devices):
     assert logs["mean"] == pytest.approx(values.mean())
     assert logs["n"] == 13.0
     assert logs["plain"] == pytest.approx(1.0)
+
+
+def test_a_metric_without_compute_cannot_be_created():
+    import dataclasses
+
+    @jax.tree_util.register_dataclass
+    @dataclasses.dataclass(frozen=True)
+    class NoCompute(M.Metric):
+        total: jax.Array
+
+    with pytest.raises(TypeError, match="abstract method.*compute"):
+        NoCompute(total=jnp.zeros(()))

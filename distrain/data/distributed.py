@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from distrain._padding import pad_rows
 from distrain.values import PerReplica
 
 if TYPE_CHECKING:
@@ -633,19 +634,9 @@ class DistributedIterator:
 
     def _pad(self, batch: dict[str, Any], size: int, full: int, key: str) -> dict[str, Any]:
         """``batch`` padded to ``full`` rows, with the mask ``batch[key]`` (0.0 on padding)."""
-        pad = full - size
-        out = {
-            k: np.concatenate(
-                [np.asarray(v), np.zeros((pad, *np.shape(v)[1:]), np.asarray(v).dtype)]
-            )
-            if pad
-            else v
-            for k, v in batch.items()
-            if k != key
-        }
-        mask = np.asarray(batch.get(key, np.ones(size, np.float32)), np.float32)
-        out[key] = np.concatenate([mask, np.zeros(pad, np.float32)])
-        return out
+        keys = [k for k in batch if k != key]
+        leaves, mask = pad_rows([batch[k] for k in keys], size, full, batch.get(key))
+        return {**dict(zip(keys, leaves, strict=True)), key: mask}
 
     def _place(self, leaves: list[Any], treedef: Any, rows: int) -> PerReplica:
         if self._ds._process_local:

@@ -58,6 +58,8 @@ from typing import Any, cast
 import grain
 import numpy as np
 
+from distrain._padding import pad_rows
+
 __all__ = ["ArrayPipeline", "ArrayPipelineIterator"]
 
 ArrayTree = dict[str, np.ndarray] | tuple[np.ndarray, ...] | list[np.ndarray] | np.ndarray
@@ -307,16 +309,13 @@ class ArrayPipeline:
             leaves = [np.take(leaf, idx, axis=0) for leaf in self._leaves]
             mask = np.ones(share, np.float32) if self.mask_key is not None else None
             return self._unflatten(leaves, mask)
-        # Partial last batch padded to B rows: slice p of the padded batch.
-        pos = start + self.process_index * b + np.arange(b)
-        real = pos < N
-        idx = perm[np.minimum(pos, N - 1)]
-        leaves = []
-        for leaf in self._leaves:
-            rows = np.take(leaf, idx, axis=0)
-            rows[~real] = 0
-            leaves.append(rows)
-        return self._unflatten(leaves, real.astype(np.float32))
+        # Partial last batch padded to B rows: slice p of the padded batch, whose real
+        # rows come first.
+        lo = start + self.process_index * b
+        real = min(b, max(0, N - lo))
+        idx = perm[lo : lo + real]
+        leaves, mask = pad_rows([np.take(leaf, idx, axis=0) for leaf in self._leaves], real, b)
+        return self._unflatten(leaves, mask)
 
     def batch(self, step: int, pass_index: int = 0) -> Any:
         """Returns this process's part of global batch ``step`` of pass ``pass_index``

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 
 from distrain import context
+from distrain._padding import MASK_KEY
 from distrain._validate import positive_int
 from distrain.train import metrics as metrics_lib
 from distrain.train.state import TrainState
@@ -64,7 +65,7 @@ class _MicroStep:
 
 
 def accumulate_gradients(
-    train_step: Callable[..., Any], steps: int, *, mask_key: str | None = "mask"
+    train_step: Callable[..., Any], steps: int, *, mask_key: str | None = MASK_KEY
 ) -> Callable[..., Any]:
     """A per-replica step running ``train_step`` on ``steps`` micro-batches of its batch.
 

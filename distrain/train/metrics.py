@@ -22,6 +22,7 @@ Example:
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from collections.abc import Mapping
@@ -44,7 +45,7 @@ __all__ = [
 ]
 
 
-class Metric:
+class Metric(abc.ABC):
     """Base class: a dataclass pytree whose every leaf is a sum.
 
     Subclasses are frozen dataclasses registered with
@@ -62,9 +63,9 @@ class Metric:
             )
         return jax.tree.map(lambda a, b: a + b, self, other)
 
+    @abc.abstractmethod
     def compute(self) -> Any:
         """The metric's value from its sums (called on the host, after all reductions)."""
-        raise NotImplementedError
 
 
 def _weights(values: jax.Array, mask: ArrayLike | None, sample_weight: ArrayLike | None):

@@ -24,6 +24,7 @@ from typing import Any
 
 import jax
 
+from distrain._padding import MASK_KEY
 from distrain.train.config import ConfigError, RunConfig, StrategyConfig
 
 __all__ = ["RunResult", "build_strategy", "resolve_callable", "run_config"]
@@ -176,7 +177,7 @@ def _pipelines(cfg: RunConfig, splits: Any, num_replicas: int) -> dict[str, Iter
                     shuffle=False,
                     num_epochs=1,
                     drop_remainder=False,
-                    mask_key="mask",
+                    mask_key=MASK_KEY,
                 )
         except ValueError as e:
             raise ConfigError(

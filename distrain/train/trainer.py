@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from distrain._padding import MASK_KEY
 from distrain._validate import optional_positive_int, positive_int
 from distrain.context import get_strategy
 from distrain.strategy.base import Strategy
@@ -153,7 +154,7 @@ class Trainer:
         callbacks: Sequence[Callback] = (),
         steps_per_execution: int | str = 1,
         log_every: int = 100,
-        mask_key: str | None = "mask",
+        mask_key: str | None = MASK_KEY,
         donate_state: bool = True,
         grad_accum_steps: int = 1,
         input_mode: str = "auto",

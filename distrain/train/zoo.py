@@ -24,6 +24,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from distrain._padding import MASK_KEY
 from distrain.train.metrics import Accuracy, Mean
 
 ApplyFn = Callable[[Any, jax.Array], jax.Array]
@@ -155,7 +156,7 @@ def classification_train_step(
     apply_fn: ApplyFn,
     image_key: str = "image",
     label_key: str = "label",
-    mask_key: str | None = "mask",
+    mask_key: str | None = MASK_KEY,
 ) -> tuple[Any, dict[str, Any]]:
     """One per-replica step of softmax cross-entropy on integer labels.
 
@@ -190,7 +191,7 @@ def classification_eval_step(
     apply_fn: ApplyFn,
     image_key: str = "image",
     label_key: str = "label",
-    mask_key: str | None = "mask",
+    mask_key: str | None = MASK_KEY,
 ) -> dict[str, Any]:
     """Loss and accuracy of one per-replica batch; padded rows (mask 0) do not count."""
     images, labels, mask = batch[image_key], batch[label_key], _mask(batch, mask_key)
