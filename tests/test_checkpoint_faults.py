@@ -273,5 +273,6 @@ def test_only_the_closed_loop_echo_and_tensorstore_futures_are_silenced():
     keep = _quiet._UnretrievedReadFilter()
     read = ValueError('DATA_LOSS: Error opening "zarr" driver')
     assert not keep.filter(record("Future exception was never retrieved", read))
+    assert not keep.filter(record("Task exception was never retrieved", read))
     assert keep.filter(record("Future exception was never retrieved", ValueError("user")))
     assert keep.filter(record("Task was destroyed but it is pending!", read))

@@ -4,7 +4,7 @@ When orbax fails to read one array of a damaged step, it closes its event loop w
 tensorstore still completes the other reads; each completion then calls
 ``loop.call_soon_threadsafe`` on the closed loop, and Python prints a
 ``RuntimeError: Event loop is closed`` traceback per read (through
-``sys.unraisablehook``), sometimes followed by asyncio's "Future exception was never
+``sys.unraisablehook``), sometimes followed by asyncio's "Task exception was never
 retrieved" with a tensorstore spec dump. Those reads belong to a step that is already
 being reported and set aside, so they are dropped here; every other unraisable
 exception and asyncio message is passed on unchanged.
@@ -20,6 +20,8 @@ from typing import Any
 _installed = False
 # tensorstore's status codes, as its errors start: the reads of a damaged step fail so.
 _TENSORSTORE_ERRORS = ("DATA_LOSS", "NOT_FOUND", "FAILED_PRECONDITION", "INVALID_ARGUMENT")
+# asyncio's words for a future or task whose exception nobody awaited.
+_UNRETRIEVED = ("Future exception was never retrieved", "Task exception was never retrieved")
 
 
 def _is_closed_loop_echo(unraisable: Any) -> bool:
@@ -34,11 +36,11 @@ def _is_closed_loop_echo(unraisable: Any) -> bool:
 
 
 class _UnretrievedReadFilter(logging.Filter):
-    """Drops asyncio's "Future exception was never retrieved" for a tensorstore error."""
+    """Drops asyncio's "Future/Task exception was never retrieved" for a tensorstore error."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         message = record.getMessage()
-        if not message.startswith("Future exception was never retrieved"):
+        if not message.startswith(_UNRETRIEVED):
             return True
         exc = record.exc_info[1] if record.exc_info else None
         text = str(exc) if exc is not None else message
