@@ -118,13 +118,22 @@ def test_checkpoints_move_between_layouts_and_device_counts(tmp_path, devices, s
 
 
 @pytest.mark.parametrize(
-    "extra", [[], ["--accum", "2", "--policy", "mixed_bfloat16"]], ids=["plain", "accum_bf16"]
+    "extra, rows",
+    [
+        ([], 1),
+        (["--accum", "2", "--policy", "mixed_bfloat16"], 1),
+        (["--shard-state", "process"], 2),
+    ],
+    ids=["plain", "accum_bf16", "hybrid"],
 )
-def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, extra):
+def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, extra, rows):
+    """Sharded over all 8 devices, or (hybrid) over each process's 4 with a copy per
+    process: w1's 8 rows sit 1 or 2 to a device, and training equals 1 x 8 mirrored."""
     ref = tmp_path / "ref"
     ref.mkdir()
     [(code, log, _)] = run_together(
-        [([sys.executable, SCRIPT, "--out", str(ref), "--shard-state", "0", *extra], clean_env(8))],
+        # The reference is mirrored: its --shard-state comes last, so it wins.
+        [([sys.executable, SCRIPT, "--out", str(ref), *extra, "--shard-state", "0"], clean_env(8))],
         120,
     )
     assert code == 0, log
@@ -151,4 +160,28 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, extra):
         for name in ("w1", "b1", "w2", "b2"):
             np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
         assert int(got["bytes_per_device"]) < int(want["bytes_per_device"])
+        assert int(got["w1_rows_per_device"]) == rows
+        assert int(want["w1_rows_per_device"]) == 8
     assert want["losses"][0] != want["losses"][-1]
+
+
+def test_shard_state_choices(devices):
+    one_process = dt.MirroredStrategy(shard_state="process")  # all 8 devices are one process
+    w1 = one_process.put_replicated(big_state()).params["w1"]
+    assert w1.addressable_shards[0].data.shape == (8, 256)
+    assert w1.sharding.mesh.shape == {"process": 1, "replica": 8}
+    with pytest.raises(ValueError, match=r"`shard_state` must be True.*'process'.*'host'"):
+        dt.MirroredStrategy(shard_state="host")
+    with pytest.raises(ValueError, match=r"shard_state=1\b"):
+        dt.MirroredStrategy(shard_state=1)
+
+
+def test_config_takes_the_hybrid_layout():
+    from distrain.train.config import ConfigError, config_from_dict
+
+    cfg = config_from_dict(
+        {"strategy": {"name": "multi_worker_mirrored", "shard_state": "process"}}
+    )
+    assert cfg.strategy.shard_state == "process"
+    with pytest.raises(ConfigError, match=r"'strategy.shard_state' must be bool \| 'process'"):
+        config_from_dict({"strategy": {"shard_state": "host"}})

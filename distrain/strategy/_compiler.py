@@ -250,8 +250,8 @@ def _place_state(strategy: Strategy, x: jax.Array) -> jax.Array:
     target = strategy.state_sharding(x.shape)
     if target is strategy._replicated or not isinstance(target, jax.sharding.NamedSharding):
         return x
-    if target.mesh != strategy.mesh or target.is_fully_replicated:
-        return x
+    if target.is_fully_replicated or target.device_set != strategy._replicated.device_set:
+        return x  # off the compute devices (central storage): placed after the call
     return jax.lax.with_sharding_constraint(x, target)
 
 

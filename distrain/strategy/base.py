@@ -76,22 +76,26 @@ class Strategy(abc.ABC):
         self._replicated = NamedSharding(self._mesh, P())
         self._split = NamedSharding(self._mesh, P(self.axis_name))
         self._compiler = ReplicaCompiler(self, max_in_flight)
-        self._shard_state = False
+        self._shard_state: bool | str = False
         self._min_shard_bytes = sharded.DEFAULT_MIN_SHARD_BYTES
+        self._state_split, self._state_shards = self._split, len(self._devices)
 
-    def _set_shard_state(self, shard_state: bool, min_shard_bytes: int) -> None:
+    def _set_shard_state(self, shard_state: bool | str, min_shard_bytes: int) -> None:
         """Data-parallel strategies' ``shard_state`` option (see ``strategy/sharded.py``)."""
-        if not isinstance(shard_state, bool):
-            raise TypeError(f"`shard_state` must be a bool. Received: {shard_state!r}.")
-        self._shard_state = shard_state
+        self._shard_state = sharded.check_shard_state(shard_state)
         self._min_shard_bytes = sharded.check_min_shard_bytes(min_shard_bytes)
+        if shard_state == "process":
+            self._state_split, self._state_shards = sharded.within_processes(
+                self._devices, self.axis_name
+            )
 
     def _data_parallel_sharding(self, shape: tuple[int, ...]) -> jax.sharding.Sharding:
-        """A full copy per replica, or with ``shard_state`` one slice per replica."""
+        """A full copy per replica, or with ``shard_state`` one slice per replica (or per
+        device of each process, with ``shard_state="process"``)."""
         if not self._shard_state:
             return self._replicated
         return sharded.leaf_sharding(
-            shape, self._replicated, self._split, self.num_replicas_in_sync, self._min_shard_bytes
+            shape, self._replicated, self._state_split, self._state_shards, self._min_shard_bytes
         )
 
     def memory_report(self, tree: Any) -> dict[str, int]:

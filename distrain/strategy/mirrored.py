@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Literal
 
 import jax
 
@@ -22,6 +23,8 @@ class MirroredStrategy(Strategy):
         ``dt.HierarchicalCopyAllReduce(num_packs)`` or ``dt.ReductionToOneDevice()``.
       shard_state: keep ``1/N`` of each large state leaf per device between steps
         (FSDP / ZeRO-3 storage; ``docs/scaling.md``). Results are the same.
+        ``"process"`` is the same here (one process); it matters for
+        ``MultiWorkerMirroredStrategy``.
       min_shard_bytes: with ``shard_state``, leaves below this size stay replicated.
 
     Example:
@@ -35,7 +38,7 @@ class MirroredStrategy(Strategy):
         devices: Sequence[DeviceSpec] | None = None,
         cross_device_ops: CrossDeviceOps | None = None,
         *,
-        shard_state: bool = False,
+        shard_state: bool | Literal["process"] = False,
         min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
     ) -> None:
         super().__init__(parse_devices(devices), cross_device_ops)

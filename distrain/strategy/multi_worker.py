@@ -27,6 +27,8 @@ Example:
 
 from __future__ import annotations
 
+from typing import Literal
+
 import jax
 
 from distrain.cluster.base import ClusterResolver
@@ -50,7 +52,10 @@ class MultiWorkerMirroredStrategy(Strategy):
         default from DISTRAIN_COLLECTIVES / DISTRAIN_TIMEOUT_SECONDS, else "auto" with
         a 20 s heartbeat (docs/multi_worker.md, "Timeouts").
       shard_state: keep ``1/N`` of each large state leaf per device (all devices of all
-        processes) between steps, as ``MirroredStrategy(shard_state=True)``.
+        processes) between steps, as ``MirroredStrategy(shard_state=True)``; or, with
+        ``"process"``, split each leaf over the devices of each process and keep one
+        copy per process (hybrid sharding, HSDP: with one process per host the
+        all-gather stays inside a host).
       min_shard_bytes: with ``shard_state``, leaves below this size stay replicated.
 
     Raises:
@@ -70,7 +75,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         cluster_resolver: ClusterResolver | None = None,
         communication_options: CommunicationOptions | None = None,
         *,
-        shard_state: bool = False,
+        shard_state: bool | Literal["process"] = False,
         min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
     ) -> None:
         if communication_options is not None and not isinstance(

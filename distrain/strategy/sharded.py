@@ -11,6 +11,11 @@ every replica computed the whole update). So results equal the replicated strate
 for any optimizer, and the extra traffic is one all-gather of the sharded state per
 step.
 
+``shard_state="process"`` (HSDP) splits each large leaf over the devices of each
+process only and keeps a copy per process: a 2-D ``("process", "replica")`` view of the
+same devices, so the all-gather stays inside a process (a host, with one process per
+host), while the step runs on the strategy's 1-D mesh as before.
+
 What this does not do yet: reduce-scatter gradients and update only the local slice
 (ZeRO's sharded optimizer compute), or gather parameters layer by layer. The peak
 memory *inside* a step is that of the replicated strategy; what shrinks by ``N`` is
@@ -20,10 +25,13 @@ the state held between steps.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax
-from jax.sharding import NamedSharding
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 DEFAULT_MIN_SHARD_BYTES = 16 * 1024
 
@@ -36,20 +44,40 @@ def check_min_shard_bytes(value: Any) -> int:
     return value
 
 
+def check_shard_state(value: Any) -> bool | str:
+    if isinstance(value, bool) or value == "process":
+        return value
+    raise ValueError(
+        "`shard_state` must be True (split over all replicas), False (a full copy on "
+        "each) or 'process' (split over each process's devices, a copy per process). "
+        f"Received: shard_state={value!r}."
+    )
+
+
+def within_processes(devices: Sequence[jax.Device], axis: str) -> tuple[NamedSharding, int]:
+    """The layout of ``shard_state="process"``: split over the devices of each process,
+    replicated across processes (a 2-D view, processes x devices, of the same devices,
+    which are in process order), and how many pieces a leaf is split into."""
+    processes = len({d.process_index for d in devices})
+    grid = np.array(devices, dtype=object).reshape(processes, -1)
+    mesh = Mesh(grid, ("process", axis), axis_types=(AxisType.Auto, AxisType.Auto))
+    return NamedSharding(mesh, P(axis)), grid.shape[1]
+
+
 def leaf_sharding(
     shape: tuple[int, ...],
     replicated: NamedSharding,
     sharded: NamedSharding,
-    num_replicas: int,
+    num_shards: int,
     min_shard_bytes: int,
 ) -> NamedSharding:
-    """``sharded`` (leading axis split over the replicas) for large divisible leaves.
+    """``sharded`` (leading axis split in ``num_shards``) for large divisible leaves.
 
     Bytes are estimated at 4 per element so that the decision does not depend on the
     dtype: a bfloat16 parameter and its float32 optimizer moments share one layout.
     """
     big = 4 * math.prod(shape) >= min_shard_bytes
-    if num_replicas > 1 and len(shape) >= 1 and shape[0] % num_replicas == 0 and big:
+    if num_shards > 1 and len(shape) >= 1 and shape[0] % num_shards == 0 and big:
         return sharded
     return replicated
 

@@ -62,14 +62,15 @@ class StrategyConfig:
         default all local devices. For ``one_device``: the first entry (default the
         first device).
       shard_state: for ``mirrored``/``multi_worker_mirrored``: store parameters and
-        optimizer state split over the devices (docs/scaling.md).
+        optimizer state split over the devices (``true``), or over each process's
+        devices with a copy per process (``process``; docs/scaling.md).
     """
 
     name: Literal[
         "mirrored", "one_device", "default", "multi_worker_mirrored", "central_storage"
     ] = "mirrored"
     devices: list[str] | None = None
-    shard_state: bool = False
+    shard_state: bool | Literal["process"] = False
 
     def __post_init__(self) -> None:
         if self.shard_state and self.name not in ("mirrored", "multi_worker_mirrored"):

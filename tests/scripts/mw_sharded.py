@@ -37,17 +37,19 @@ def make_train_step(batch: int):
 
     return train_step
 
+
 import distrain as dt  # noqa: E402
 
 
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--shard-state", type=int, default=1)
+    parser.add_argument("--shard-state", choices=["0", "1", "process"], default="1")
     parser.add_argument("--accum", type=int, default=1)
     parser.add_argument("--policy", default=None)
     args = parser.parse_args()
-    strategy = dt.MultiWorkerMirroredStrategy(shard_state=bool(args.shard_state), min_shard_bytes=0)
+    shard = {"0": False, "1": True, "process": "process"}[args.shard_state]
+    strategy = dt.MultiWorkerMirroredStrategy(shard_state=shard, min_shard_bytes=0)
     batch, steps = 16, 4
     state = initial_state()
     if args.policy:
@@ -71,6 +73,7 @@ def main() -> int:
         bytes_per_device=report["bytes_per_device"],
         bytes_full_copy=report["bytes_full_copy"],
         replicas=strategy.num_replicas_in_sync,
+        w1_rows_per_device=state.params["w1"].addressable_shards[0].data.shape[0],
         **params,
     )
     return 0
