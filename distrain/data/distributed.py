@@ -373,7 +373,9 @@ _PROBE_READS = 8
 _SLOW_READ_SECONDS = 1e-3
 
 
-def _feed(ref: weakref.ref[DistributedIterator], out: queue.Queue[Any], stop: Any) -> None:
+def _feed(
+    ref: weakref.ref[DistributedIterator], out: queue.Queue[Any], stop: threading.Event
+) -> None:
     """The prefetch thread: produces batches into ``out`` until the source ends, an
     error (delivered in order), ``stop``, or the iterator is garbage collected (it holds
     the iterator only weakly, so an abandoned iterator ends its thread)."""
