@@ -356,10 +356,13 @@ class _Launcher:
     def _wait(self, procs: list[subprocess.Popen]) -> tuple[int, int] | None:
         while True:
             codes = [p.poll() for p in procs]
-            for i, code in enumerate(codes):
-                if code is not None and code != 0:
-                    self.log(f"process {i} {_status_text(code)}; stopping the other processes")
-                    return i, code
+            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                # A process killed by a signal first: its peers fail fast because of it
+                # and may already have exited by the time both are seen here.
+                i, code = min(failed, key=lambda f: (f[1] > 0, f[0]))
+                self.log(f"process {i} {_status_text(code)}; stopping the other processes")
+                return i, code
             if all(code == 0 for code in codes):
                 return None
             time.sleep(0.05)
