@@ -13,24 +13,26 @@ from typing import Any
 import numpy as np
 
 
-def positive_int(name: str, value: Any, *, hint: str = "") -> int:
+def _is_positive_int(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int | np.integer) and bool(value >= 1)
+
+
+def positive_int(name: str, value: Any) -> int:
     """``value`` as an int >= 1 (bools refused), else ``ValueError`` naming ``name``.
 
     Example:
       >>> positive_int("steps", 3)
       3
     """
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}.{hint}")
+    if not _is_positive_int(value):
+        raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}.")
     return int(value)
 
 
-def optional_positive_int(name: str, value: Any, *, hint: str = "") -> int | None:
+def optional_positive_int(name: str, value: Any) -> int | None:
     """As :func:`positive_int`, with ``None`` allowed (and returned) for "no limit"."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(
-            f"`{name}` must be a positive int or None. Received: {name}={value!r}.{hint}"
-        )
+    if not _is_positive_int(value):
+        raise ValueError(f"`{name}` must be a positive int or None. Received: {name}={value!r}.")
     return int(value)

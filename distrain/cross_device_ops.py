@@ -28,7 +28,7 @@ class CrossDeviceOps(abc.ABC):
         """Returns ``tree`` summed over ``axis_name``; called per replica."""
 
 
-class _Psum(CrossDeviceOps, abc.ABC):
+class _Psum(CrossDeviceOps):
     """One ``psum`` of the whole tree; JAX picks the transport (NCCL, ICI, gloo)."""
 
     def all_sum(self, tree: Any, axis_name: str) -> Any:

@@ -114,7 +114,7 @@ class _Saver(Callback):
 
     def _save(self) -> bool:
         """Saves the trainer's state and position now (all processes call it together)."""
-        t = self._fit_trainer
+        t = self.trainer
         if t is None or self.manager is None:
             return False
         if not state_is_finite(t.state):
@@ -330,7 +330,7 @@ class BackupAndRestore(_Saver):
             self._save()
 
     def on_train_end(self, logs: Logs | None = None) -> None:
-        t = self._fit_trainer
+        t = self.trainer
         finite = t is None or state_is_finite(t.state)
         if finite and not self.delete_checkpoint:
             # Back up the finished state: running the same fit again restores it and
