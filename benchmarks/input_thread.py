@@ -1,9 +1,10 @@
 """A slow streaming source with and without the prefetch thread (``InputOptions``).
 
-``Trainer.fit`` trains the MNIST-sized MLP (784-256-256-10, batch 512) on batches from
-a generator that spends ``--read-ms`` per batch (on top of handing out one of eight
-pre-made batches), either waiting (I/O: ``time.sleep``, which releases the GIL, as
-file and network reads do) or in small NumPy operations (which mostly hold it).
+``Trainer.fit`` trains the suite's MLP (``benchmarks/workloads.py``: 784-256-256-10,
+batch 512) on batches from a generator that spends ``--read-ms`` per batch (on top of
+handing out one of eight pre-made batches), either waiting (I/O: ``time.sleep``, which
+releases the GIL, as file and network reads do) or in small NumPy operations (which
+mostly hold it).
 Rounds alternate ``prefetch_thread=True`` and ``False``; the median steps/s of each
 and their per-round ratio are printed.
 
@@ -41,36 +42,15 @@ def main(argv: list[str] | None = None) -> int:
         )
     import jax
     import numpy as np
-    import optax
 
     import distrain as dt
+    from benchmarks.loops import NUM_STAGED, _initial_state, _trainer_step
+    from benchmarks.workloads import WORKLOADS, host_batches
 
+    workload = WORKLOADS["mlp"]  # the suite's MLP, its step and its synthetic batches
     strategy = dt.MirroredStrategy(jax.devices()[: args.devices])
-    sizes = [784, 256, 256, 10]
-    rng = np.random.default_rng(0)
-    params = {
-        f"w{i}": (rng.normal(size=(a, b)) / np.sqrt(a)).astype(np.float32)
-        for i, (a, b) in enumerate(zip(sizes[:-1], sizes[1:], strict=True))
-    }
-
-    def step(state, batch):
-        def loss_fn(p):
-            h = batch["x"]
-            for i in range(len(sizes) - 1):
-                h = h @ p[f"w{i}"]
-                h = jax.nn.relu(h) if i < len(sizes) - 2 else h
-            per_example = optax.softmax_cross_entropy_with_integer_labels(h, batch["y"])
-            return dt.compute_average_loss(per_example), per_example
-
-        grads, per_example = jax.grad(loss_fn, has_aux=True)(state.params)
-        state = state.apply_gradients(grads=grads)
-        return state, {"loss": dt.metrics.Mean.from_values(per_example)}
-
-    r = np.random.default_rng(1)
-    pool = [
-        {"x": r.random((512, 784), dtype=np.float32), "y": r.integers(0, 10, 512).astype(np.int32)}
-        for _ in range(8)
-    ]
+    step = _trainer_step(workload)
+    pool = host_batches(workload, NUM_STAGED)
 
     def source(kind: str):
         for i in itertools.count():
@@ -88,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
         data = strategy.experimental_distribute_dataset(
             source(kind), dt.InputOptions(prefetch_thread=thread)
         )
-        state = strategy.put_replicated(dt.TrainState.create(params=params, tx=optax.adam(1e-3)))
+        state = strategy.put_replicated(_initial_state(workload))
         trainer = dt.Trainer(strategy, step, log_every=10**9)
         state, _ = trainer.fit(state, data, steps=3)  # compile
         jax.block_until_ready(state)
