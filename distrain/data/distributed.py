@@ -24,6 +24,7 @@ iterator, counting only the batches the caller consumed (not those prefetched).
 
 from __future__ import annotations
 
+import atexit
 import collections
 import dataclasses
 import queue
@@ -259,10 +260,6 @@ def _whole_arrays_error(data: Any) -> str | None:
     return None
 
 
-def _same(a: jax.sharding.Sharding, b: jax.sharding.Sharding) -> bool:
-    return a is b or a == b  # identity first: placed batches share the strategy's object
-
-
 def _rows_of(x: Any) -> Callable[[Any], np.ndarray]:
     """The callback giving ``x[idx]`` (this process's rows) as a NumPy array."""
     return lambda idx: np.asarray(x[idx])
@@ -278,7 +275,7 @@ def _shard_global(strategy: Strategy, leaves: list[Any], treedef: Any, size: int
     """``shard_global_batch`` of a batch already flattened and measured (``size`` rows)."""
     _per_replica(size, strategy.num_replicas_in_sync)
     sharding = strategy._split
-    if all(isinstance(x, jax.Array) and _same(x.sharding, sharding) for x in leaves):
+    if all(isinstance(x, jax.Array) and x.sharding == sharding for x in leaves):
         arrays = leaves  # already placed: device_put would still cost ~0.3 ms per batch
     elif jax.process_count() == 1:
         arrays = jax.device_put(leaves, sharding)
@@ -344,6 +341,7 @@ class DistributedDataset:
             process_local = bool(getattr(dataset, "process_local", False))
         self._process_local = process_local
         self._input_context = input_context
+        self._last_pass: weakref.ref[DistributedIterator] | None = None
 
     def _group_size(self, first: Any) -> int:
         """Source batches per step: the local replica count for TF's per-replica form
@@ -363,7 +361,14 @@ class DistributedDataset:
         return self._strategy
 
     def __iter__(self) -> DistributedIterator:
-        return DistributedIterator(self)
+        # A one-shot source (a generator) is shared by every pass: the previous pass's
+        # prefetch thread must stop reading it before this pass does.
+        previous = self._last_pass() if self._last_pass is not None else None
+        if previous is not None and previous._source is self._dataset:
+            previous._stop_feeder()
+        it = DistributedIterator(self)
+        self._last_pass = weakref.ref(it)
+        return it
 
 
 _END = object()  # the feeder's "source exhausted"
@@ -373,12 +378,36 @@ _PROBE_READS = 8
 _SLOW_READ_SECONDS = 1e-3
 
 
+# Running prefetch threads and their stop events. A daemon thread still inside XLA
+# when the interpreter finalizes aborts the process ("FATAL: exception not
+# rethrown"), so they are stopped and joined at exit, before that.
+_RUNNING: dict[threading.Thread, threading.Event] = {}
+
+
+@atexit.register
+def _stop_prefetch_threads() -> None:
+    running = list(_RUNNING.items())
+    for _, stop in running:
+        stop.set()
+    for thread, _ in running:
+        thread.join(timeout=5)
+
+
 def _feed(
     ref: weakref.ref[DistributedIterator], out: queue.Queue[Any], stop: threading.Event
 ) -> None:
     """The prefetch thread: produces batches into ``out`` until the source ends, an
     error (delivered in order), ``stop``, or the iterator is garbage collected (it holds
     the iterator only weakly, so an abandoned iterator ends its thread)."""
+    try:
+        _feed_until_done(ref, out, stop)
+    finally:
+        _RUNNING.pop(threading.current_thread(), None)
+
+
+def _feed_until_done(
+    ref: weakref.ref[DistributedIterator], out: queue.Queue[Any], stop: threading.Event
+) -> None:
     while not stop.is_set():
         it = ref()
         if it is None:
@@ -481,9 +510,11 @@ class DistributedIterator:
         # Keep `prefetch` batches in flight beyond the one returned now.
         while not self._exhausted and len(self._ahead) <= self._ds._options.prefetch:
             try:
-                start = time.perf_counter()
-                self._ahead.append(self._produce())
-                if self._probe is not None:
+                if self._probe is None:
+                    self._ahead.append(self._produce())
+                else:
+                    start = time.perf_counter()
+                    self._ahead.append(self._produce())
                     self._note_read(time.perf_counter() - start)
             except StopIteration:
                 self._exhausted = True
@@ -492,6 +523,10 @@ class DistributedIterator:
                 self._exhausted = True
         if not self._ahead:
             raise StopIteration
+        return self._pop_ahead()
+
+    def _pop_ahead(self) -> PerReplica:
+        """The oldest batch read ahead on this thread (or the error reading it raised)."""
         batch, state = self._ahead.popleft()
         if isinstance(batch, Exception):
             raise batch
@@ -510,11 +545,7 @@ class DistributedIterator:
 
     def _next_from_thread(self) -> PerReplica:
         if self._ahead:  # read on this thread before reading moved to the thread
-            batch, state = self._ahead.popleft()
-            if isinstance(batch, Exception):
-                raise batch
-            self._state = state
-            return batch
+            return self._pop_ahead()
         if self._exhausted:
             raise StopIteration
         if self._feeder is None:
@@ -527,6 +558,7 @@ class DistributedIterator:
                 daemon=True,
             )
             self._feeder = (thread, out, stop)
+            _RUNNING[thread] = stop
             thread.start()
         item = self._feeder[1].get()
         if item is _END or isinstance(item[0], BaseException):
@@ -579,7 +611,6 @@ class DistributedIterator:
         partial = size < full
         if partial and opts.drop_remainder:
             return None
-        padded = None
         if opts.mask_key is not None:
             if not isinstance(batch, dict):
                 raise TypeError(
@@ -594,15 +625,11 @@ class DistributedIterator:
                     "(only the last one smaller), or drop mask_key."
                 )
             if partial:
-                padded = self._pad(batch, size, full, opts.mask_key)  # `full` rows: divisible
-        if padded is None:
-            self._check_divisible(batch, size, full)
-            if opts.mask_key is not None and opts.mask_key not in batch:
-                padded = self._pad(batch, size, full, opts.mask_key)  # adds the all-ones mask
-        if padded is None:
-            return leaves, treedef, size
-        leaves, treedef = jax.tree.flatten(padded)
-        return leaves, treedef, full
+                return self._pad(batch, size, full, opts.mask_key)  # `full` rows: divisible
+        self._check_divisible(batch, size, full)
+        if opts.mask_key is not None and opts.mask_key not in batch:
+            return self._pad(batch, size, full, opts.mask_key)  # adds the all-ones mask
+        return leaves, treedef, size
 
     def _check_divisible(self, batch: Any, size: int, full: int) -> None:
         local, strategy = self._ds._process_local, self._ds._strategy
@@ -634,11 +661,15 @@ class DistributedIterator:
             f"(e.g. {_multiples(size, n)})."
         )
 
-    def _pad(self, batch: dict[str, Any], size: int, full: int, key: str) -> dict[str, Any]:
-        """``batch`` padded to ``full`` rows, with the mask ``batch[key]`` (0.0 on padding)."""
+    def _pad(
+        self, batch: dict[str, Any], size: int, full: int, key: str
+    ) -> tuple[list[Any], Any, int]:
+        """``batch`` padded to ``full`` rows with the mask ``batch[key]`` (0.0 on padding),
+        flattened as ``_prepare`` returns it."""
         keys = [k for k in batch if k != key]
         leaves, mask = pad_rows([batch[k] for k in keys], size, full, batch.get(key))
-        return {**dict(zip(keys, leaves, strict=True)), key: mask}
+        padded = {**dict(zip(keys, leaves, strict=True)), key: mask}
+        return (*jax.tree.flatten(padded), full)
 
     def _place(self, leaves: list[Any], treedef: Any, rows: int) -> PerReplica:
         if self._ds._process_local:
