@@ -69,7 +69,7 @@ def test_which_sources_are_read_on_the_thread(devices, source, options, expected
     names = []
 
     def gen():
-        for i in range(4):
+        for i in range(16):  # past the 8 timed reads of the automatic mode
             names.append(threading.current_thread().name)
             yield _batch(i)
 
@@ -81,12 +81,12 @@ def test_which_sources_are_read_on_the_thread(devices, source, options, expected
 
     data = {
         "generator": lambda: gen(),
-        "iterable": lambda: _Counted(4, names),
-        "list": lambda: Listed(_batch(i) for i in range(4)),
+        "iterable": lambda: _Counted(16, names),
+        "list": lambda: Listed(_batch(i) for i in range(16)),
     }[source]()
     strategy = dt.MirroredStrategy()
     out = [_x(b) for b in strategy.experimental_distribute_dataset(data, options)]
-    assert out == [0.0, 1.0, 2.0, 3.0]
+    assert out == [float(i) for i in range(16)]
     assert set(names) == {expected}
 
 

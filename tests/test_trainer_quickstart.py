@@ -5,6 +5,7 @@ import json
 import os
 
 import jax
+import pytest
 
 from distrain.cli import main
 
@@ -59,3 +60,8 @@ def test_quickstart_sharded_mixed_precision_accumulated(devices):
     assert all(p.dtype == "float32" for p in jax.tree.leaves(state.params))  # master weights
     report = dt.MirroredStrategy(shard_state=True).memory_report(state)
     assert report["bytes_per_device"] < report["bytes_full_copy"] / 4  # stored split
+    # 64 rows over 8 replicas is 8 per replica: 3 micro-batches do not divide it, which
+    # only the accumulating step checks, so this error shows the setting reached it.
+    cfg = dt.config.load_config(QUICKSTART, [*overrides[:-2], "train.grad_accum_steps=3"])
+    with pytest.raises(ValueError, match=r"split into 3 equal micro-batches"):
+        dt.config.run_config(cfg, progress_bar=False, print_fn=None)
