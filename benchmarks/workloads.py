@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from distrain.train.zoo import max_pool_2x2
+from examples.classification import max_pool_2x2
 
 Params = dict[str, Any]
 IMAGE_SHAPE = (28, 28, 1)

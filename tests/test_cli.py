@@ -54,7 +54,7 @@ def test_bad_config_is_a_clean_error(tmp_path, capsys):
 def test_print_config_applies_overrides(capsys):
     assert main(["train", "--config", QUICKSTART, "--print-config", "train.epochs=7"]) == 0
     out = capsys.readouterr().out
-    assert "epochs: 7" in out and "fn: distrain.train.zoo:mlp" in out
+    assert "epochs: 7" in out and "fn: examples.classification:mlp" in out
 
 
 def test_config_names_user_code_by_import_path(tmp_path, monkeypatch, capsys, devices):
@@ -119,9 +119,14 @@ def _distrain_command() -> list[str]:
 
 def test_console_script_runs_the_quickstart(tmp_path):
     """The installed `distrain` entry point, as a real process, prints the accuracy; import
-    paths in the config resolve from the working directory (as with `python -m`)."""
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2"}
-    (tmp_path / "mydigits.py").write_text("from distrain.train.zoo import digits as splits\n")
+    paths in the config resolve from the working directory (as with `python -m`) and from
+    PYTHONPATH (here the checkout, for the example the quickstart names)."""
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "PYTHONPATH": ROOT,
+    }
+    (tmp_path / "mydigits.py").write_text("from examples.classification import digits as splits\n")
     cmd = [
         *_distrain_command(),
         "train",

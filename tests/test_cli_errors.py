@@ -21,6 +21,7 @@ def _run(args, tmp_path, devices=8, timeout=180, **extra):
         **os.environ,
         "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
         "JAX_PLATFORMS": "cpu",
+        "PYTHONPATH": ROOT,  # the shipped configs name examples.classification
         **extra,
     }
     if "DISTRAIN_DEBUG" not in extra:
@@ -94,14 +95,14 @@ def test_eval_batch_not_divisible_by_replicas_is_one_line(tmp_path):
 
 def _failing_step_config(tmp_path):
     (tmp_path / "failing_task.py").write_text(textwrap.dedent("""
-        from distrain.train.zoo import classification_train_step
-
         def step(state, batch, *, apply_fn):
             raise RuntimeError("boom from the user's train_step\\nsecond line")
     """))
     cfg = tmp_path / "fail.yaml"
     cfg.write_text(textwrap.dedent("""
         name: fail
+        model: {fn: "examples.classification:mlp", kwargs: {input_shape: [8, 8, 1]}}
+        data: {fn: "examples.classification:digits"}
         train: {train_step: "failing_task:step", epochs: 1}
         logging: {progress_bar: false}
     """))
@@ -109,8 +110,7 @@ def _failing_step_config(tmp_path):
 
 
 def test_unexpected_error_is_one_line_with_the_debug_hint(tmp_path):
-    rc, _, err = _run(["--config", _failing_step_config(tmp_path)], tmp_path,
-                      PYTHONPATH=str(tmp_path))
+    rc, _, err = _run(["--config", _failing_step_config(tmp_path)], tmp_path)
     line = _one_error_line(err)
     assert rc == 1
     assert "RuntimeError: boom from the user's train_step second line" in line
@@ -120,7 +120,7 @@ def test_unexpected_error_is_one_line_with_the_debug_hint(tmp_path):
 @pytest.mark.parametrize("how", ["flag", "env"])
 def test_debug_shows_the_traceback(tmp_path, how):
     args = ["--config", _failing_step_config(tmp_path)]
-    env = {"PYTHONPATH": str(tmp_path)}
+    env = {}
     if how == "flag":
         args.append("--debug")
     else:

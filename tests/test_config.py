@@ -5,6 +5,7 @@ import os
 
 import jax
 import pytest
+import yaml
 
 from distrain.train.config import (
     ConfigError,
@@ -13,8 +14,7 @@ from distrain.train.config import (
     config_from_dict,
     load_config,
 )
-from distrain.train.run import _optimizer, build_strategy, resolve_callable
-from distrain.train.zoo import split_model
+from distrain.train.run import _optimizer, _split_model, build_strategy, resolve_callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -31,7 +31,7 @@ def test_every_shipped_config_loads_and_builds(path, devices):
     assert isinstance(cfg, RunConfig)
     # Everything it names resolves, and the model and optimizer build (no data download).
     model = resolve_callable(cfg.model.fn, "model.fn")(key=jax.random.key(0), **cfg.model.kwargs)
-    apply_fn, params = split_model(model)
+    apply_fn, params = _split_model(model)
     assert jax.tree.leaves(params)
     resolve_callable(cfg.data.fn, "data.fn")
     resolve_callable(cfg.train.train_step, "train.train_step")
@@ -45,7 +45,7 @@ def test_mnist_configs_match_the_seed_models():
     mlp = load_config(os.path.join(ROOT, "configs", "mnist_mlp.yaml"))
     assert mlp.model.kwargs["hidden"] == [256, 256] and mlp.optimizer.name == "adam"
     cnn = load_config(os.path.join(ROOT, "configs", "mnist_cnn.yaml"))
-    params = split_model(
+    params = _split_model(
         resolve_callable(cnn.model.fn, "model.fn")(key=jax.random.key(0), **cnn.model.kwargs)
     )[1]
     shapes = {k: v["kernel"].shape for k, v in params.items()}
@@ -57,43 +57,81 @@ def test_mnist_configs_match_the_seed_models():
     }
 
 
+# The three sections a config must have (they name the user's code).
+REQUIRED = {"model": {"fn": "m:f"}, "data": {"fn": "d:f"}, "train": {"train_step": "s:f"}}
+
+
+def _with(**sections):
+    """REQUIRED plus ``sections`` (merged into the required ones)."""
+    out = {k: dict(v) for k, v in REQUIRED.items()}
+    for name, value in sections.items():
+        out[name] = {**out[name], **value} if name in out and isinstance(value, dict) else value
+    return out
+
+
+def _write(p, **sections):
+    p.write_text(yaml.safe_dump(_with(**sections)))
+    return p
+
+
 def test_unknown_key_suggests_the_closest(tmp_path):
-    p = tmp_path / "c.yaml"
-    p.write_text("train:\n  epoch: 3\n")
+    p = _write(tmp_path / "c.yaml", train={"epoch": 3})
     with pytest.raises(ConfigError, match=r"Unknown config key 'train.epoch'.*'train.epochs'"):
         load_config(p)
-    p.write_text("optimiser:\n  name: sgd\n")
+    _write(p, optimiser={"name": "sgd"})
     with pytest.raises(ConfigError, match=r"Did you mean 'optimizer'\?"):
         load_config(p)
 
 
 def test_wrong_type_names_field_and_value(tmp_path):
-    p = tmp_path / "c.yaml"
-    p.write_text("train:\n  epochs: ten\n")
+    p = _write(tmp_path / "c.yaml", train={"epochs": "ten"})
     with pytest.raises(ConfigError, match=r"'train.epochs' must be int \| null. Received: 'ten'"):
         load_config(p)
-    p.write_text("optimizer:\n  learning_rate: 1e-3\n")  # YAML 1.1 reads this as a string
+    p.write_text(yaml.safe_dump(_with()) + "optimizer:\n  learning_rate: 1e-3\n")  # a string
     with pytest.raises(ConfigError, match=r"'optimizer.learning_rate' must be float.*1.0e-3"):
         load_config(p)
-    p.write_text("data:\n  shuffle: 1\n")
-    with pytest.raises(ConfigError, match=r"'data.shuffle' must be bool. Received: 1"):
+    _write(p, data={"shuffle": 1})
+    with pytest.raises(ConfigError, match=r"'data.shuffle' must be bool. Received: 1 \(int\)"):
         load_config(p)
-    p.write_text("strategy:\n  name: mirored\n")
+    _write(p, strategy={"name": "mirored"})
     with pytest.raises(ConfigError, match=r"'strategy.name' must be one of.*'mirrored'\?"):
         load_config(p)
-    p.write_text("train: 3\n")
-    with pytest.raises(ConfigError, match=r"section 'train' must be a mapping"):
+    _write(p, train=3)
+    with pytest.raises(ConfigError, match=r"section 'train' must be a mapping.*Received: 3"):
+        load_config(p)
+    _write(p, strategy={"devices": ["cpu:0", 1]})
+    with pytest.raises(ConfigError, match=r"'strategy.devices\[1\]' must be str. Received: 1"):
+        load_config(p)
+    _write(p, strategy={"shard_state": "proces"})
+    with pytest.raises(ConfigError, match=r"bool \| 'process'. Received: 'proces'.*'process'\?"):
         load_config(p)
 
 
 def test_value_checks():
-    with pytest.raises(ConfigError, match=r"train.epochs must be >= 1"):
-        config_from_dict({"train": {"epochs": 0}})
+    with pytest.raises(ConfigError, match=r"'train.epochs' must be >= 1 or null. Received: 0\."):
+        config_from_dict(_with(train={"epochs": 0}))
     with pytest.raises(ConfigError, match="both null"):
-        config_from_dict({"train": {"epochs": None, "steps": None}})
-    with pytest.raises(ConfigError, match=r"checkpoint.save_freq must be 'epoch'"):
-        config_from_dict({"checkpoint": {"save_freq": "sometimes"}})
-    assert config_from_dict({"optimizer": {"learning_rate": 1}}).optimizer.learning_rate == 1.0
+        config_from_dict(_with(train={"epochs": None, "steps": None}))
+    with pytest.raises(ConfigError, match=r"'checkpoint.save_freq' must be 'epoch' \| int"):
+        config_from_dict(_with(checkpoint={"save_freq": "sometimes"}))
+    with pytest.raises(ConfigError, match=r"'checkpoint.backup_freq' must be >= 1. Received: 0"):
+        config_from_dict(_with(checkpoint={"backup_freq": 0}))
+    with pytest.raises(ConfigError, match=r"A config must be a mapping.*Received: \[1\]"):
+        config_from_dict([1])
+    cfg = config_from_dict(_with(optimizer={"learning_rate": 1}, logging=None))
+    assert cfg.optimizer.learning_rate == 1.0 and isinstance(cfg.optimizer.learning_rate, float)
+    assert cfg.logging.progress_bar  # an empty section means its defaults
+
+
+def test_model_data_and_train_step_are_required_and_all_errors_are_reported():
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({"train": {"epochs": 0, "train_step": "s:f"}, "data": {"fn": 1}})
+    msg = str(e.value)
+    assert "Config section 'model' is required; it needs fn." in msg
+    assert "'data.fn' must be str. Received: 1 (int)." in msg
+    assert "'train.epochs' must be >= 1" in msg
+    with pytest.raises(ConfigError, match=r"'train.train_step' is required: an import path"):
+        config_from_dict({**REQUIRED, "train": {}})
 
 
 def test_missing_file_lists_nearby_configs(tmp_path):
@@ -113,8 +151,7 @@ def test_unparsable_and_non_mapping_files(tmp_path):
 
 
 def test_overrides_are_typed_and_checked(tmp_path):
-    p = tmp_path / "c.yaml"
-    p.write_text("name: x\n")
+    p = _write(tmp_path / "c.yaml")
     cfg = load_config(
         p, ["train.epochs=5", "model.kwargs.hidden=[8, 8]", "optimizer.learning_rate=0.01"]
     )
@@ -131,16 +168,16 @@ def test_overrides_are_typed_and_checked(tmp_path):
 
 
 def test_import_paths_resolve_or_explain():
-    assert callable(resolve_callable("distrain.train.zoo:mlp", "model.fn"))
-    assert callable(resolve_callable("distrain.train.zoo.mlp", "model.fn"))
-    with pytest.raises(ConfigError, match=r"'model.fn'.*has no attribute 'mpl'.*zoo:mlp"):
-        resolve_callable("distrain.train.zoo:mpl", "model.fn")
+    assert callable(resolve_callable("examples.classification:mlp", "model.fn"))
+    assert callable(resolve_callable("examples.classification.mlp", "model.fn"))
+    with pytest.raises(ConfigError, match=r"'model.fn'.*no attribute 'mpl'.*classification:mlp"):
+        resolve_callable("examples.classification:mpl", "model.fn")
     with pytest.raises(ConfigError, match=r"cannot import module 'no_such_pkg"):
         resolve_callable("no_such_pkg.models:net", "model.fn")
     with pytest.raises(ConfigError, match="import path"):
         resolve_callable("mlp", "model.fn")
     with pytest.raises(ConfigError, match="not callable"):
-        resolve_callable("distrain.train.zoo:__doc__", "model.fn")
+        resolve_callable("examples.classification:__doc__", "model.fn")
 
 
 def test_unknown_optimizer_suggests():
@@ -149,11 +186,11 @@ def test_unknown_optimizer_suggests():
 
 
 @pytest.mark.parametrize("shape", [(3, 26, 26, 4), (2, 7, 9, 3)])
-def test_zoo_max_pool_matches_nnx_max_pool_values_and_gradients(shape):
+def test_example_max_pool_matches_nnx_max_pool_values_and_gradients(shape):
     import jax.numpy as jnp
     from flax import nnx
 
-    from distrain.train.zoo import max_pool_2x2
+    from examples.classification import max_pool_2x2
 
     x = jax.random.normal(jax.random.key(0), shape)
     ct = jax.random.normal(jax.random.key(1), (shape[0], shape[1] // 2, shape[2] // 2, shape[3]))

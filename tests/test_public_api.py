@@ -25,9 +25,6 @@ PUBLIC = (
     "distrain.metrics",
     "distrain.mixed_precision",
 )
-# Not public API, still imported by examples and configs: the seed models the shipped
-# configs name (`distrain.train.zoo:mlp`). Known debt: they belong with the examples.
-TOLERATED = {"distrain.train.zoo"}
 
 
 @pytest.mark.parametrize("name", PUBLIC)
@@ -51,9 +48,7 @@ def _imports(code: str) -> set[str]:
         return set(found)
     for node in ast.walk(tree):
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            for alias in node.names:  # `from distrain.train import zoo` imports a module
-                full = f"{node.module}.{alias.name}"
-                names.add(full if full in TOLERATED else node.module)
+            names.add(node.module)
         elif isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
     return {n for n in names if n == "distrain" or n.startswith("distrain.")}
@@ -65,11 +60,14 @@ def _sources():
     for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for i, block in enumerate(re.findall(r"```python\n(.*?)```", path.read_text(), re.S)):
             yield f"{path} block {i + 1}", block
+    for path in sorted((ROOT / "configs").glob("*.yaml")):  # `fn: package.module:function`
+        paths = re.findall(r"^\s*\w+:\s*([\w.]+):\w+\s*(?:#.*)?$", path.read_text(), re.M)
+        yield path, "".join(f"import {p}\n" for p in paths)
 
 
 def test_examples_and_docs_import_only_public_modules():
     bad = []
     for where, code in _sources():
-        for module in _imports(code) - set(PUBLIC) - TOLERATED:
+        for module in _imports(code) - set(PUBLIC):
             bad.append(f"{where}: {module}")
     assert not bad, "non-public imports:\n" + "\n".join(bad)

@@ -1,15 +1,16 @@
-"""Run configs: typed dataclasses, loaded from YAML and checked field by field.
+"""Run configs: pydantic models, loaded from YAML and checked field by field.
 
 A config describes one training run for ``distrain train --config FILE``: the
 strategy, the model, data and step functions (named by import path
-``package.module:function``, so your own code works as well as the built-in
-``distrain.train.zoo``), the optimizer, the loop, logging and checkpoints.
+``package.module:function``, so the CLI runs your own code; the shipped configs name
+``examples.classification``), the optimizer, the loop, logging and checkpoints.
 
-Loading is strict: an unknown key is an error that suggests the closest valid key, a
-value of the wrong type or out of range (a learning rate <= 0, a batch size < 1) names
-the field and the value, a key repeated in one mapping names both lines, and a file
-that is missing or not YAML says so. ``key=value`` overrides (``train.epochs=3``) are parsed as YAML
-values and checked the same way.
+pydantic does the checking (strict: ``1`` is not a bool, ``"5"`` is not an int; unknown
+keys are refused); this module turns its errors into one sentence per problem that
+names the field, what it must be and what it received, and suggests the closest valid
+key or choice. A key repeated in one mapping names both lines, and a file that is
+missing or not YAML says so. ``key=value`` overrides (``train.epochs=3``) are parsed as
+YAML values and checked the same way.
 
 Example:
   >>> cfg = load_config("configs/quickstart.yaml", overrides=["train.epochs=2"])
@@ -19,16 +20,18 @@ Example:
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
-import math
 import os
 import types
 import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
+import pydantic
 import yaml
+from pydantic import Field
+from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
 
 __all__ = [
     "CheckpointConfig",
@@ -46,13 +49,19 @@ __all__ = [
     "load_config",
 ]
 
+_IMPORT_PATH = "an import path 'package.module:function'"
+
 
 class ConfigError(ValueError):
     """A config file or override that does not match the schema."""
 
 
-@dataclasses.dataclass
-class StrategyConfig:
+class _Section(pydantic.BaseModel):
+    # strict: YAML's 1 is not a bool and '5' is not an int (ints still widen to float).
+    model_config = pydantic.ConfigDict(extra="forbid", strict=True)
+
+
+class StrategyConfig(_Section):
     """Which strategy runs the replicas.
 
     Attributes:
@@ -72,39 +81,39 @@ class StrategyConfig:
     devices: list[str] | None = None
     shard_state: bool | Literal["process"] = False
 
-    def __post_init__(self) -> None:
+    @pydantic.model_validator(mode="after")
+    def _shard_state_needs_data_parallel(self) -> StrategyConfig:
         if self.shard_state and self.name not in ("mirrored", "multi_worker_mirrored"):
             raise ConfigError(
                 "strategy.shard_state applies to strategy.name mirrored or "
                 f"multi_worker_mirrored. Received: strategy.name={self.name!r}; set "
                 "strategy.shard_state=false or change the strategy."
             )
+        return self
 
 
-@dataclasses.dataclass
-class ModelConfig:
+class ModelConfig(_Section):
     """The model: ``fn(key=jax.random.key(seed), **kwargs)``.
 
     ``fn`` returns a ``flax.nnx.Module`` (its parameters become ``state.params`` and the
     step functions get ``apply_fn(params, x)``) or a tuple ``(apply_fn, params)``.
 
     Attributes:
-      fn: import path ``package.module:function``.
+      fn: import path ``package.module:function`` (required).
       kwargs: keyword arguments for ``fn``.
     """
 
-    fn: str = "distrain.train.zoo:mlp"
-    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    fn: str = Field(description=_IMPORT_PATH)
+    kwargs: dict[str, Any] = {}
 
 
-@dataclasses.dataclass
-class DataConfig:
+class DataConfig(_Section):
     """The data: ``fn(**kwargs)`` returns ``{"train": ..., "test": ...}`` (optionally
     ``"validation"``), each a dict of NumPy arrays (batched here with
     ``ArrayPipeline``) or an iterable of global batches (used as is).
 
     Attributes:
-      fn: import path ``package.module:function``.
+      fn: import path ``package.module:function`` (required).
       kwargs: keyword arguments for ``fn``.
       global_batch_size: rows per training step, summed over all replicas.
       eval_batch_size: rows per evaluation step (default ``global_batch_size``).
@@ -113,28 +122,15 @@ class DataConfig:
         ``None`` for no validation during ``fit``).
     """
 
-    fn: str = "distrain.train.zoo:digits"
-    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    global_batch_size: int = 128
-    eval_batch_size: int | None = None
+    fn: str = Field(description=_IMPORT_PATH)
+    kwargs: dict[str, Any] = {}
+    global_batch_size: int = Field(default=128, ge=1)
+    eval_batch_size: int | None = Field(default=None, ge=1)
     shuffle: bool = True
     validation_split: str | None = "test"
 
-    def __post_init__(self) -> None:
-        if self.global_batch_size < 1:
-            raise ConfigError(
-                f"data.global_batch_size must be >= 1 (rows per step over all replicas). "
-                f"Received: {self.global_batch_size}."
-            )
-        if self.eval_batch_size is not None and self.eval_batch_size < 1:
-            raise ConfigError(
-                f"data.eval_batch_size must be >= 1 or null (null: data.global_batch_size). "
-                f"Received: {self.eval_batch_size}."
-            )
 
-
-@dataclasses.dataclass
-class OptimizerConfig:
+class OptimizerConfig(_Section):
     """An optax optimizer: ``getattr(optax, name)(learning_rate, **kwargs)``.
 
     Attributes:
@@ -144,25 +140,17 @@ class OptimizerConfig:
     """
 
     name: str = "adam"
-    learning_rate: float = 1e-3
-    kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        # A negative rate ascends the loss, zero trains nothing: both exit "successfully".
-        if not math.isfinite(self.learning_rate) or self.learning_rate <= 0:
-            raise ConfigError(
-                "optimizer.learning_rate must be a positive finite number, e.g. 0.001. "
-                f"Received: {self.learning_rate!r}."
-            )
+    # A negative rate ascends the loss, zero trains nothing: both exit "successfully".
+    learning_rate: float = Field(default=1e-3, gt=0, allow_inf_nan=False)
+    kwargs: dict[str, Any] = {}
 
 
-@dataclasses.dataclass
-class TrainConfig:
+class TrainConfig(_Section):
     """The loop.
 
     Attributes:
       train_step: import path of ``step(state, batch, *, apply_fn, **step_kwargs) ->
-        (state, metrics)``.
+        (state, metrics)`` (required).
       eval_step: import path of ``step(state, batch, *, apply_fn, **step_kwargs) ->
         metrics``, or ``None``.
       step_kwargs: extra keyword arguments bound into both steps.
@@ -174,34 +162,28 @@ class TrainConfig:
       grad_accum_steps: micro-batches per optimizer update (``Trainer(grad_accum_steps)``).
       policy: mixed precision: ``float32``, ``mixed_bfloat16`` or ``mixed_float16``
         (``TrainState.create(policy=...)``; the step must take gradients with
-        ``state.value_and_grad``, as the built-in classification step does).
+        ``state.value_and_grad``, as the classification example's step does).
     """
 
-    train_step: str = "distrain.train.zoo:classification_train_step"
-    eval_step: str | None = "distrain.train.zoo:classification_eval_step"
-    step_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
-    epochs: int | None = 1
-    steps: int | None = None
-    steps_per_execution: int = 1
-    log_every: int = 50
-    validation_freq: int = 1
-    grad_accum_steps: int = 1
+    train_step: str = Field(description=_IMPORT_PATH)
+    eval_step: str | None = None
+    step_kwargs: dict[str, Any] = {}
+    epochs: int | None = Field(default=1, ge=1)
+    steps: int | None = Field(default=None, ge=1)
+    steps_per_execution: int = Field(default=1, ge=1)
+    log_every: int = Field(default=50, ge=1)
+    validation_freq: int = Field(default=1, ge=1)
+    grad_accum_steps: int = Field(default=1, ge=1)
     policy: Literal["float32", "mixed_bfloat16", "mixed_float16"] = "float32"
 
-    def __post_init__(self) -> None:
-        for name in ("epochs", "steps"):
-            v = getattr(self, name)
-            if v is not None and v < 1:
-                raise ConfigError(f"train.{name} must be >= 1 or null. Received: {v}.")
+    @pydantic.model_validator(mode="after")
+    def _epochs_or_steps(self) -> TrainConfig:
         if self.epochs is None and self.steps is None:
             raise ConfigError("train.epochs and train.steps are both null; set at least one.")
-        for name in ("steps_per_execution", "log_every", "validation_freq", "grad_accum_steps"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"train.{name} must be >= 1. Received: {getattr(self, name)}.")
+        return self
 
 
-@dataclasses.dataclass
-class LoggingConfig:
+class LoggingConfig(_Section):
     """Where progress goes. Files are written under ``dir`` by the chief process.
 
     Attributes:
@@ -219,8 +201,10 @@ class LoggingConfig:
     jsonl: bool = False
 
 
-@dataclasses.dataclass
-class CheckpointConfig:
+_Frequency = Literal["epoch"] | typing.Annotated[int, Field(ge=1)]
+
+
+class CheckpointConfig(_Section):
     """Checkpoints (orbax, asynchronous).
 
     Attributes:
@@ -233,57 +217,50 @@ class CheckpointConfig:
     """
 
     dir: str | None = None
-    save_freq: int | str = "epoch"
-    max_to_keep: int = 3
+    save_freq: _Frequency = "epoch"
+    max_to_keep: int = Field(default=3, ge=1)
     backup_dir: str | None = None
-    backup_freq: int | str = "epoch"
-
-    def __post_init__(self) -> None:
-        if self.max_to_keep < 1:
-            raise ConfigError(
-                f"checkpoint.max_to_keep must be >= 1. Received: {self.max_to_keep}."
-            )
-        for name in ("save_freq", "backup_freq"):
-            v = getattr(self, name)
-            if isinstance(v, str) and v != "epoch" or isinstance(v, int) and v < 1:
-                raise ConfigError(
-                    f"checkpoint.{name} must be 'epoch' or a positive number of steps. "
-                    f"Received: {v!r}."
-                )
+    backup_freq: _Frequency = "epoch"
 
 
-@dataclasses.dataclass
-class RunConfig:
+_SECTIONS = ("strategy", "model", "data", "optimizer", "train", "logging", "checkpoint")
+
+
+class RunConfig(_Section):
     """A whole run (the top level of a YAML config).
+
+    ``model``, ``data`` and ``train`` are required: they name your code.
 
     Attributes:
       name: a label for the run (printed, and used in log directory names).
-      seed: seeds the model initialisation and the data order.
+      seed: seeds the model initialisation and the data order (NumPy seeds are >= 0).
     """
 
     name: str = "run"
-    seed: int = 0
-    strategy: StrategyConfig = dataclasses.field(default_factory=StrategyConfig)
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
-    data: DataConfig = dataclasses.field(default_factory=DataConfig)
-    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
-    train: TrainConfig = dataclasses.field(default_factory=TrainConfig)
-    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
-    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    seed: int = Field(default=0, ge=0)
+    strategy: StrategyConfig = StrategyConfig()
+    model: ModelConfig
+    data: DataConfig
+    optimizer: OptimizerConfig = OptimizerConfig()
+    train: TrainConfig
+    logging: LoggingConfig = LoggingConfig()
+    checkpoint: CheckpointConfig = CheckpointConfig()
 
-    def __post_init__(self) -> None:
-        if self.seed < 0:
-            raise ConfigError(f"seed must be >= 0 (NumPy seeds are non-negative). Received: "
-                              f"{self.seed}.")
+    @pydantic.field_validator(*_SECTIONS, mode="before")
+    @classmethod
+    def _empty_section_is_defaults(cls, value: Any) -> Any:
+        return {} if value is None else value  # `logging:` with nothing under it
 
 
-# ---------------------------------------------------------------------------- checking
+# ---------------------------------------------------------------- errors in our words
 
 
 def _type_name(tp: Any) -> str:
     if tp is type(None):
         return "null"
     origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return _type_name(typing.get_args(tp)[0])
     if origin is Literal:
         return " | ".join(repr(a) for a in typing.get_args(tp))
     if origin in (typing.Union, types.UnionType):
@@ -294,70 +271,11 @@ def _type_name(tp: Any) -> str:
     return getattr(tp, "__name__", str(tp))
 
 
-def _convert(value: Any, tp: Any, path: str) -> Any:
-    """Checks ``value`` against type ``tp``; returns it (ints widened to float)."""
-    origin = typing.get_origin(tp)
-    if tp is Any:
-        return value
-    if dataclasses.is_dataclass(tp):
-        # cast: tp is a type hint, so a dataclass here is the class, never an instance.
-        return _from_dict(typing.cast(type, tp), value, path)
-    if origin in (typing.Union, types.UnionType):
-        errors = []
-        for option in typing.get_args(tp):
-            try:
-                return _convert(value, option, path)
-            except ConfigError as e:
-                errors.append(e)
-        raise _type_error(path, tp, value)
-    if origin is Literal:
-        if value in typing.get_args(tp):
-            return value
-        raise ConfigError(
-            f"Config field {path!r} must be one of {_type_name(tp)}. Received: {value!r}."
-            + _suggest(str(value), [str(a) for a in typing.get_args(tp)])
-        )
-    if tp is type(None):
-        if value is None:
-            return None
-        raise _type_error(path, tp, value)
-    if origin is list:
-        if not isinstance(value, list):
-            raise _type_error(path, tp, value)
-        (item,) = typing.get_args(tp)
-        return [_convert(v, item, f"{path}[{i}]") for i, v in enumerate(value)]
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise _type_error(path, tp, value)
-        _, item = typing.get_args(tp)
-        return {str(k): _convert(v, item, f"{path}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if isinstance(value, bool):
-            return value
-        raise _type_error(path, tp, value)
-    if tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-        raise _type_error(path, tp, value)
-    if tp is float:
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            return float(value)
-        raise _type_error(path, tp, value)
-    if tp is str:
-        if isinstance(value, str):
-            return value
-        raise _type_error(path, tp, value)
-    raise TypeError(f"Unsupported config field type {tp!r} at {path!r}.")  # a schema bug
-
-
-def _type_error(path: str, tp: Any, value: Any) -> ConfigError:
-    hint = ""
-    if isinstance(value, str) and typing.get_origin(tp) is None and tp in (int, float):
-        hint = " (YAML reads 1e-3 as a string; write 1.0e-3)" if "e" in value.lower() else ""
-    return ConfigError(
-        f"Config field {path!r} must be {_type_name(tp)}. Received: {value!r} "
-        f"({type(value).__name__}){hint}."
-    )
+def _literals(tp: Any) -> list[str]:
+    """The string choices a field accepts (for "Did you mean ...?")."""
+    if typing.get_origin(tp) is Literal:
+        return [str(a) for a in typing.get_args(tp)]
+    return [c for a in typing.get_args(tp) for c in _literals(a)]
 
 
 def _suggest(key: str, valid: Sequence[str], prefix: str = "") -> str:
@@ -365,50 +283,113 @@ def _suggest(key: str, valid: Sequence[str], prefix: str = "") -> str:
     return f" Did you mean {prefix + close[0]!r}?" if close else ""
 
 
-def _prefix(path: str) -> str:
-    return f"{path}." if path else ""
+def _is_section(tp: Any) -> typing.TypeGuard[type[pydantic.BaseModel]]:
+    return isinstance(tp, type) and issubclass(tp, pydantic.BaseModel)
 
 
-def _from_dict(cls: type, data: Any, path: str) -> Any:
-    if data is None:
-        data = {}
-    if not isinstance(data, Mapping):
-        where = f"Config section {path!r}" if path else "A config file"
-        raise ConfigError(
-            f"{where} must be a mapping of keys to values. Received: {data!r} "
-            f"({type(data).__name__})."
-        )
-    hints = typing.get_type_hints(cls)
-    names = [f.name for f in dataclasses.fields(cls)]
-    kwargs = {}
-    for key, value in data.items():
-        full = f"{path}.{key}" if path else str(key)
-        if key not in names:
-            raise ConfigError(
-                f"Unknown config key {full!r}.{_suggest(str(key), names, _prefix(path))} Valid keys"
-                f"{' in ' + repr(path) if path else ''}: {', '.join(names)}."
+def _unknown_key(full: str, key: str, section: str, model: type[pydantic.BaseModel]) -> str:
+    names = list(model.model_fields)
+    prefix = f"{section}." if section else ""
+    return (
+        f"Unknown config key {full!r}.{_suggest(key, names, prefix)} Valid keys"
+        f"{' in ' + repr(section) if section else ''}: {', '.join(names)}."
+    )
+
+
+_ITEM_TYPES = {"string_type": "str", "int_type": "int", "float_type": "float", "bool_type": "bool"}
+_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<="}
+
+
+def _field_message(path: str, field: FieldInfo, errors: list[ErrorDetails]) -> str:
+    """One sentence for all of pydantic's errors about one field (a union gives several)."""
+    tp, value = field.annotation, errors[0]["input"]
+    received = f"Received: {value!r}"
+    for e in errors:
+        if e["type"] == "value_error":  # a cross-field check raised ConfigError
+            return str(e["ctx"]["error"])
+        if e["type"] == "missing":
+            if _is_section(tp):
+                required = [n for n, f in tp.model_fields.items() if f.is_required()]
+                return f"Config section {path!r} is required; it needs {', '.join(required)}."
+            return f"Config field {path!r} is required: {field.description}."
+        if e["type"] in ("model_type", "model_attributes_type"):
+            return (
+                f"Config section {path!r} must be a mapping of keys to values. "
+                f"{received} ({type(value).__name__})."
             )
-        kwargs[key] = _convert(value, hints[key], full)
-    try:
-        return cls(**kwargs)
-    except ConfigError:
-        raise
-    except TypeError as e:  # a required field without default
-        raise ConfigError(f"Config section {path or '(top level)'!r}: {e}.") from e
+        if e["type"] in _BOUNDS:
+            (bound,) = e["ctx"].values()
+            null = " or null" if type(None) in typing.get_args(tp) else ""
+            return f"Config field {path!r} must be {_BOUNDS[e['type']]} {bound}{null}. {received}."
+        if e["type"] == "finite_number":
+            return f"Config field {path!r} must be a finite number. {received}."
+    if path.endswith("]"):  # an item of a list: name the type pydantic expected there
+        expected = _ITEM_TYPES.get(errors[0]["type"], errors[0]["msg"])
+        return f"Config field {path!r} must be {expected}. {received} ({type(value).__name__})."
+    choices = _literals(tp)
+    suggestion = _suggest(value, choices) if isinstance(value, str) else ""
+    if typing.get_origin(tp) is Literal:
+        return f"Config field {path!r} must be one of {_type_name(tp)}. {received}.{suggestion}"
+    yaml_hint = ""
+    if isinstance(value, str) and tp in (int, float) and "e" in value.lower():
+        yaml_hint = " (YAML reads 1e-3 as a string; write 1.0e-3)"
+    return (
+        f"Config field {path!r} must be {_type_name(tp)}. {received} "
+        f"({type(value).__name__}){yaml_hint}.{suggestion}"
+    )
+
+
+def _translate(error: pydantic.ValidationError) -> ConfigError:
+    """pydantic's errors as one message: one sentence per unknown key or bad field."""
+    messages: list[str] = []
+    fields: dict[str, tuple[FieldInfo, list[ErrorDetails]]] = {}
+    for e in error.errors():
+        if not e["loc"]:  # RunConfig has no checks of its own: only "not a mapping" is here
+            value = e["input"]
+            return ConfigError(
+                "A config must be a mapping of keys to values. "
+                f"Received: {value!r} ({type(value).__name__})."
+            )
+        # Walk the location through the sections to the field it is about; what follows
+        # (a union member's tag, a list index) belongs to that field.
+        model: Any = RunConfig
+        path: list[str] = []
+        for part in e["loc"]:
+            if not _is_section(model):
+                break
+            if part not in model.model_fields:  # only extra_forbidden points past a schema
+                full = ".".join([*path, str(part)])
+                messages.append(_unknown_key(full, str(part), ".".join(path), model))
+                break
+            path.append(str(part))
+            field = model.model_fields[str(part)]
+            model = field.annotation
+        if e["type"] != "extra_forbidden":
+            where = ".".join(path) + "".join(f"[{i}]" for i in e["loc"] if isinstance(i, int))
+            fields.setdefault(where, (field, []))[1].append(e)
+    messages += [_field_message(path, f, errors) for path, (f, errors) in fields.items()]
+    return ConfigError(" ".join(messages))
+
+
+# ----------------------------------------------------------------- dicts and overrides
 
 
 def config_from_dict(data: Any) -> RunConfig:
     """Builds and checks a :class:`RunConfig` from plain data (e.g. parsed YAML).
 
     Raises:
-      ConfigError: unknown keys (with the closest valid key), wrong types, bad values.
+      ConfigError: unknown keys (with the closest valid key), wrong types, bad values,
+        all of them in one message.
     """
-    return _from_dict(RunConfig, data, "")
+    try:
+        return RunConfig.model_validate(data)
+    except pydantic.ValidationError as e:
+        raise _translate(e) from None
 
 
-def config_to_dict(config: Any) -> dict[str, Any]:
+def config_to_dict(config: pydantic.BaseModel) -> dict[str, Any]:
     """The plain-data form of a config (what YAML would hold)."""
-    return dataclasses.asdict(config)
+    return config.model_dump()
 
 
 def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str, Any]:
@@ -431,20 +412,15 @@ def apply_overrides(data: dict[str, Any], overrides: Sequence[str]) -> dict[str,
 
 
 def _set_path(data: dict[str, Any], parts: list[str], value: Any, full: str) -> None:
-    cls: Any = RunConfig
+    tp: Any = RunConfig
     node = data
     for i, part in enumerate(parts):
-        if cls is not None:
-            names = [f.name for f in dataclasses.fields(cls)]
-            if part not in names:
-                where = ".".join(parts[:i])
-                raise ConfigError(
-                    f"Unknown config key {full!r}."
-                    f"{_suggest(part, names, _prefix(where))} Valid keys"
-                    f"{' in ' + repr(where) if where else ''}: {', '.join(names)}."
-                )
-            field_type = typing.get_type_hints(cls)[part]
-            cls = field_type if dataclasses.is_dataclass(field_type) else None
+        if _is_section(tp):
+            if part not in tp.model_fields:
+                raise ConfigError(_unknown_key(full, part, ".".join(parts[:i]), tp))
+            tp = tp.model_fields[part].annotation
+        else:
+            tp = None  # inside a free-form mapping such as model.kwargs
         if i == len(parts) - 1:
             node[part] = value
             return
@@ -456,6 +432,9 @@ def _set_path(data: dict[str, Any], parts: list[str], value: Any, full: str) -> 
                 f"Override {full!r}: {'.'.join(parts[: i + 1])!r} is {child!r}, not a section."
             )
         node = child
+
+
+# ------------------------------------------------------------------------------ files
 
 
 class _DuplicateKeyError(yaml.YAMLError):

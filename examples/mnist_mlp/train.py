@@ -74,12 +74,12 @@ def eval_step(state: dt.TrainState, batch: dict, *, graphdef: Any) -> dict:
 
 def load(dataset: str, num_validation: int) -> dict[str, dict]:
     """``{"train", "validation", "test"}`` splits of ``mnist`` or the offline ``digits``."""
-    from distrain.train import zoo
+    from examples import classification
 
     if dataset == "mnist":
-        return zoo.mnist(num_validation=num_validation)
+        return classification.mnist(num_validation=num_validation)
     if dataset == "digits":
-        splits = zoo.digits()
+        splits = classification.digits()
         return {"train": splits["train"], "validation": splits["test"], "test": splits["test"]}
     raise ValueError(f"dataset must be 'mnist' or 'digits'. Received: {dataset!r}.")
 

@@ -24,13 +24,14 @@ from typing import Any
 import jax
 import numpy as np
 import optax
+from flax import nnx
 
 import distrain as dt
 from distrain.data import load_digits
 from distrain.experimental import ParameterServerStrategy
 from distrain.experimental.coordinator import ClusterCoordinator
 from distrain.experimental.partitioners import FixedShardsPartitioner
-from distrain.train import zoo
+from examples.classification import mlp, nnx_apply_fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,13 +91,9 @@ def accuracy(apply_fn: Callable, params: Any, data: dict[str, np.ndarray]) -> fl
 def train_and_evaluate(config: Config, log: Callable[[str], None] = print) -> dict[str, Any]:
     """Trains, evaluates every ``eval_every`` steps; returns the final figures."""
     train, test = load_digits("train", seed=config.seed), load_digits("test", seed=config.seed)
-    apply_fn, params = zoo.init_model(
-        zoo.mlp,
-        jax.random.key(config.seed),
-        input_shape=(8, 8, 1),
-        hidden=list(config.hidden),
-        num_classes=10,
-    )
+    model = mlp(key=jax.random.key(config.seed), input_shape=(8, 8, 1), hidden=config.hidden)
+    graphdef, params = nnx.split(model)
+    apply_fn, params = nnx_apply_fn(graphdef), nnx.to_pure_dict(params)
     strategy = ParameterServerStrategy(
         num_workers=config.num_workers,
         num_ps=config.num_ps,

@@ -1,7 +1,9 @@
-"""Built-in models, datasets and steps that the shipped configs name by import path.
+"""Image classification: the models, datasets and steps the shipped configs name.
 
-They are ordinary functions with the contracts of :mod:`distrain.train.config`, so
-they double as templates for your own:
+``configs/quickstart.yaml``, ``mnist_mlp.yaml`` and ``mnist_cnn.yaml`` name these by
+import path (``examples.classification:mlp``; run ``distrain train`` from the repository
+root). They are ordinary functions with the contracts of a run config
+(``dt.config``), so they double as templates for your own:
 
 * models: ``fn(*, key, **kwargs)`` returns a ``flax.nnx.Module``;
 * data: ``fn(**kwargs)`` returns ``{"train": arrays, "test": arrays}``;
@@ -24,8 +26,8 @@ import numpy as np
 import optax
 from flax import nnx
 
-from distrain._padding import MASK_KEY
-from distrain.train.metrics import Accuracy, Mean
+import distrain as dt
+from distrain.metrics import Accuracy, Mean
 
 ApplyFn = Callable[[Any, jax.Array], jax.Array]
 
@@ -114,10 +116,8 @@ def cnn(*, key: jax.Array, input_shape: Sequence[int] = (28, 28, 1), num_classes
 
 def digits(*, test_fraction: float = 0.2, seed: int = 0) -> dict[str, dict[str, np.ndarray]]:
     """scikit-learn's bundled 8x8 digits (offline): ``{"train": ..., "test": ...}``."""
-    from distrain.data.datasets import load_digits
-
     return {
-        split: load_digits(split, test_fraction=test_fraction, seed=seed)
+        split: dt.data.load_digits(split, test_fraction=test_fraction, seed=seed)
         for split in ("train", "test")
     }
 
@@ -125,17 +125,15 @@ def digits(*, test_fraction: float = 0.2, seed: int = 0) -> dict[str, dict[str, 
 def mnist(
     *, cache_dir: str | None = None, num_validation: int = 0
 ) -> dict[str, dict[str, np.ndarray]]:
-    """MNIST (downloaded once into a cache; see ``distrain.data.datasets.load_mnist``).
+    """MNIST (downloaded once into a cache; see ``dt.data.load_mnist``).
 
     Args:
       cache_dir: where the files are cached (default ``~/.cache/distrain/mnist``).
       num_validation: hold out the last rows of the training set as ``"validation"``
         (the Keras guide holds out 10,000).
     """
-    from distrain.data.datasets import load_mnist
-
-    train = load_mnist("train", cache_dir=cache_dir)
-    out = {"train": train, "test": load_mnist("test", cache_dir=cache_dir)}
+    train = dt.data.load_mnist("train", cache_dir=cache_dir)
+    out = {"train": train, "test": dt.data.load_mnist("test", cache_dir=cache_dir)}
     if num_validation:
         out["validation"] = {k: v[-num_validation:] for k, v in train.items()}
         out["train"] = {k: v[:-num_validation] for k, v in train.items()}
@@ -156,7 +154,7 @@ def classification_train_step(
     apply_fn: ApplyFn,
     image_key: str = "image",
     label_key: str = "label",
-    mask_key: str | None = MASK_KEY,
+    mask_key: str | None = "mask",
 ) -> tuple[Any, dict[str, Any]]:
     """One per-replica step of softmax cross-entropy on integer labels.
 
@@ -164,14 +162,12 @@ def classification_train_step(
     global batch size, or by the number of real rows when the batch has a mask), so
     ``apply_gradients`` summing gradients over replicas gives the global mean's gradient.
     """
-    from distrain.losses import compute_average_loss
-
     images, labels, mask = batch[image_key], batch[label_key], _mask(batch, mask_key)
 
     def loss_fn(params: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
         logits = apply_fn(params, images)
         per_example = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
-        return compute_average_loss(per_example, mask=mask), (logits, per_example)
+        return dt.compute_average_loss(per_example, mask=mask), (logits, per_example)
 
     # state.value_and_grad: jax.value_and_grad under the state's mixed-precision policy.
     (_, (logits, per_example)), grads = state.value_and_grad(loss_fn, has_aux=True)(
@@ -191,7 +187,7 @@ def classification_eval_step(
     apply_fn: ApplyFn,
     image_key: str = "image",
     label_key: str = "label",
-    mask_key: str | None = MASK_KEY,
+    mask_key: str | None = "mask",
 ) -> dict[str, Any]:
     """Loss and accuracy of one per-replica batch; padded rows (mask 0) do not count."""
     images, labels, mask = batch[image_key], batch[label_key], _mask(batch, mask_key)
@@ -217,39 +213,3 @@ def nnx_apply_fn(graphdef: Any) -> ApplyFn:
         return nnx.merge(graphdef, params)(x)
 
     return apply_fn
-
-
-def split_model(model: Any) -> tuple[ApplyFn, Any]:
-    """``(apply_fn, params)`` from an ``nnx.Module`` or an ``(apply_fn, params)`` pair.
-
-    ``params`` is a plain nested dict of arrays (``nnx.to_pure_dict``), which
-    checkpoints and restores without any flax types.
-
-    Raises:
-      TypeError: for anything else, saying what a model function must return.
-    """
-    if isinstance(model, nnx.Module):
-        graphdef, state = nnx.split(model)
-        return nnx_apply_fn(graphdef), nnx.to_pure_dict(state)
-    if isinstance(model, tuple) and len(model) == 2 and callable(model[0]):
-        return model[0], model[1]
-    raise TypeError(
-        "A model function must return a flax.nnx.Module or a tuple (apply_fn, params) with "
-        f"apply_fn(params, x) -> outputs. Received: {type(model).__name__}."
-    )
-
-
-def init_model(model_fn: Callable[..., Any], key: jax.Array, **kwargs: Any) -> tuple[ApplyFn, Any]:
-    """``split_model(model_fn(key=key, **kwargs))``, initialised in one compiled call.
-
-    Building a model eagerly compiles every initializer separately (dozens of small
-    XLA programs); tracing the whole construction once is much faster to start.
-    """
-    found: dict[str, Any] = {}
-
-    def init(k: jax.Array) -> Any:
-        found["apply_fn"], params = split_model(model_fn(key=k, **kwargs))
-        return params
-
-    params = jax.jit(init)(key)
-    return found["apply_fn"], params
