@@ -14,5 +14,6 @@ from distrain.train.metrics import Accuracy as Accuracy
 from distrain.train.metrics import Mean as Mean
 from distrain.train.metrics import Metric as Metric
 from distrain.train.metrics import Sum as Sum
+from distrain.train.metrics import WeightedMean as WeightedMean
 
-__all__ = ["Accuracy", "Mean", "Metric", "Sum"]
+__all__ = ["Accuracy", "Mean", "Metric", "Sum", "WeightedMean"]

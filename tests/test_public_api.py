@@ -71,3 +71,42 @@ def test_examples_and_docs_import_only_public_modules():
         for module in _imports(code) - set(PUBLIC):
             bad.append(f"{where}: {module}")
     assert not bad, "non-public imports:\n" + "\n".join(bad)
+
+
+# Concrete bases that are meant to be extended, and why (equinox's rule otherwise: a
+# base class is abstract, and a concrete class is not subclassed).
+EXTENSION_POINTS = {
+    "distrain.train.callbacks.base.Callback": "Keras' contract: every hook is an optional no-op",
+    "distrain.train.callbacks.checkpointing._Saver": "private: the two checkpoint callbacks",
+    "distrain.cross_device_ops._Psum": "private: two final spellings of one psum",
+    "distrain.train.config._Section": "private: the pydantic settings every section shares",
+}
+
+
+def _distrain_classes():
+    import pkgutil
+
+    import distrain
+
+    for info in pkgutil.walk_packages(distrain.__path__, "distrain."):
+        module = importlib.import_module(info.name)
+        for value in vars(module).values():
+            if inspect.isclass(value) and value.__module__ == info.name:
+                yield value
+
+
+def test_classes_are_abstract_or_final():
+    bad = []
+    for cls in _distrain_classes():
+        for base in cls.__bases__:
+            name = f"{base.__module__}.{base.__qualname__}"
+            if name.startswith("distrain.") and not inspect.isabstract(base):
+                if name not in EXTENSION_POINTS:
+                    bad.append(f"{cls.__module__}.{cls.__qualname__} subclasses concrete {name}")
+    assert not bad, "\n".join(bad)
+    import distrain as dt
+
+    for final in (dt.metrics.Mean, dt.metrics.Accuracy, dt.metrics.Sum, dt.AllReduce):
+        assert getattr(final, "__final__", False), final
+    with pytest.raises(TypeError, match="abstract"):
+        dt.metrics.WeightedMean(total=1.0, count=1.0)

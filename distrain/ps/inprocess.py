@@ -21,13 +21,6 @@ from distrain.ps.servers import LocalServerGroup
 from distrain.ps.worker import StepRuntime, WorkerCore
 
 
-class LocalWorker(WorkerCore):
-    """A worker running in a coordinator thread."""
-
-    def arm(self, at: str) -> None:
-        self.runtime.arm(self.index, at)
-
-
 class InProcessBackend:
     """Creates in-process servers and workers."""
 
@@ -53,14 +46,14 @@ class InProcessBackend:
         ]
         return LocalServerGroup(servers, layout, max_staleness)
 
-    def create_workers(self, group: LocalServerGroup, num_workers: int) -> list[LocalWorker]:
+    def create_workers(self, group: LocalServerGroup, num_workers: int) -> list[WorkerCore]:
         runtime = StepRuntime(group)
         return [
-            LocalWorker(i, num_workers, self.devices[i % len(self.devices)], runtime)
+            WorkerCore(i, num_workers, self.devices[i % len(self.devices)], runtime)
             for i in range(num_workers)
         ]
 
-    def close_workers(self, workers: Sequence[LocalWorker]) -> None:
+    def close_workers(self, workers: Sequence[WorkerCore]) -> None:
         pass
 
     def shutdown(self) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import typing
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
@@ -112,6 +113,7 @@ def connect(address: str | None) -> bool:
     return True
 
 
+@typing.final
 class RayServerGroup(ServerGroup):
     """Parameter servers as Ray actors. Picklable: workers receive it."""
 
@@ -178,7 +180,7 @@ class _WorkerActor:
         self.dataset_fns[dataset_id] = dataset_fn
 
     def arm(self, at: str) -> None:
-        self.core.runtime.arm(self.core.index, at)
+        self.core.arm(at)
 
     def run(self, key: int, seq: int, args: tuple, kwargs: dict) -> Any:
         import jax
@@ -191,7 +193,7 @@ _keys = itertools.count()
 
 
 class RayWorker:
-    """Coordinator-side proxy of a worker actor; same interface as `LocalWorker`."""
+    """Coordinator-side proxy of a worker actor; same interface as `WorkerCore`."""
 
     def __init__(self, index: int, actor: Any):
         self.index = index

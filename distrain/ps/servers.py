@@ -10,6 +10,8 @@ servers is made (`_call`): directly on objects in this process
 
 from __future__ import annotations
 
+import abc
+import typing
 from collections.abc import Sequence
 from typing import Any
 
@@ -19,7 +21,7 @@ from distrain.ps.layout import Layout
 from distrain.ps.server import ParameterServer
 
 
-class ServerGroup:
+class ServerGroup(abc.ABC):
     """Logical operations on all parameter servers; subclasses implement `_call`.
 
     Args:
@@ -39,11 +41,11 @@ class ServerGroup:
     def num_ps(self) -> int:
         return self.layout.num_ps
 
+    @abc.abstractmethod
     def _call(
         self, method: str, args: Sequence[tuple] | tuple = (), shards: Sequence[int] | None = None
     ) -> list[Any]:
         """Calls ``method`` on ``shards`` (all by default); one args tuple each, or shared."""
-        raise NotImplementedError
 
     # ------------------------------------------------------------ worker side
     def pull(self, seq: int) -> list[np.ndarray]:
@@ -129,14 +131,16 @@ class ServerGroup:
     def set_state(self, states: Sequence[dict[str, Any]]) -> None:
         self._call("set_state", [(s,) for s in states])
 
+    @abc.abstractmethod
     def fail(self, index: int) -> None:
         """Fault injection: makes server ``index`` unavailable."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def shutdown(self) -> None:
-        raise NotImplementedError
+        """Stops every server."""
 
 
+@typing.final
 class LocalServerGroup(ServerGroup):
     """Parameter servers as objects in this process (the in-process backend)."""
 

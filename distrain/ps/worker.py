@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import itertools
 import threading
+import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -116,8 +117,10 @@ class StepRuntime:
             return np.int32(-1)
 
 
+@typing.final
 class WorkerCore:
-    """Runs scheduled steps for worker ``index`` on ``device``."""
+    """Runs scheduled steps for worker ``index`` on ``device`` (in a coordinator thread, or
+    inside a Ray actor)."""
 
     def __init__(self, index: int, num_workers: int, device: jax.Device, runtime: StepRuntime):
         self.index = index
@@ -155,3 +158,7 @@ class WorkerCore:
             raise failure
         self.runtime.fire_if_armed(self.index, "result")
         return outputs
+
+    def arm(self, at: str) -> None:
+        """Fault injection: this worker fails at point ``at`` of its next step (one shot)."""
+        self.runtime.arm(self.index, at)

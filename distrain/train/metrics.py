@@ -25,6 +25,7 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+import typing
 from collections.abc import Mapping
 from typing import Any, Self
 
@@ -38,6 +39,7 @@ __all__ = [
     "Mean",
     "Metric",
     "Sum",
+    "WeightedMean",
     "compute",
     "merge",
     "normalize",
@@ -85,19 +87,21 @@ def _weights(values: jax.Array, mask: ArrayLike | None, sample_weight: ArrayLike
     return w
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Mean(Metric):
-    """Weighted mean: ``total / count``.
+class WeightedMean(Metric):
+    """Abstract: a metric kept as a weighted mean ``total / count``; subclasses say what
+    the mean means in :meth:`compute` (``Mean``: itself; a perplexity: its ``exp``).
 
     Attributes:
       total: sum of ``value * weight``.
       count: sum of weights.
 
     Example:
-      >>> m = Mean.from_values(jnp.array([1.0, 2.0, 9.0]), mask=jnp.array([1, 1, 0]))
-      >>> float(m.compute())
-      1.5
+      >>> @jax.tree_util.register_dataclass
+      ... @dataclasses.dataclass(frozen=True)
+      ... class Perplexity(dt.metrics.WeightedMean):
+      ...     def compute(self):
+      ...         return np.exp(self.mean())
     """
 
     total: jax.Array
@@ -120,17 +124,35 @@ class Mean(Metric):
         """One observation of a scalar (weight 1)."""
         return cls(total=jnp.asarray(value, jnp.float32), count=jnp.ones((), jnp.float32))
 
-    def compute(self) -> Any:
+    def mean(self) -> Any:
+        """``total / count`` on the host (NaN where nothing was counted)."""
         total, count = np.asarray(self.total, np.float64), np.asarray(self.count, np.float64)
         if count.ndim == 0:
             return float(total / count) if count > 0 else math.nan
         return np.where(count > 0, total / np.maximum(count, 1e-30), np.nan)
 
 
+@typing.final
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Accuracy(Mean):
-    """Fraction of correct predictions (a :class:`Mean` of 0/1 values).
+class Mean(WeightedMean):
+    """Weighted mean of values.
+
+    Example:
+      >>> m = Mean.from_values(jnp.array([1.0, 2.0, 9.0]), mask=jnp.array([1, 1, 0]))
+      >>> float(m.compute())
+      1.5
+    """
+
+    def compute(self) -> Any:
+        return self.mean()
+
+
+@typing.final
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Accuracy(WeightedMean):
+    """Fraction of correct predictions (a weighted mean of 0/1 values).
 
     Example:
       >>> acc = Accuracy.from_logits(logits, labels, mask=batch.get("mask"))
@@ -155,7 +177,11 @@ class Accuracy(Mean):
         correct = (jnp.argmax(logits, axis=-1) == labels).astype(jnp.float32)
         return cls.from_values(correct, mask=mask, sample_weight=sample_weight)
 
+    def compute(self) -> Any:
+        return self.mean()
 
+
+@typing.final
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class Sum(Metric):

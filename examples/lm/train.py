@@ -39,11 +39,11 @@ ApplyFn = Callable[[Any, jax.Array], jax.Array]
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class Perplexity(dt.metrics.Mean):
+class Perplexity(dt.metrics.WeightedMean):
     """``exp`` of the mean per-token loss, accumulated as (total, count) like ``Mean``."""
 
     def compute(self) -> Any:
-        mean = super().compute()
+        mean = self.mean()
         return math.exp(mean) if np.ndim(mean) == 0 and math.isfinite(mean) else np.exp(mean)
 
 
