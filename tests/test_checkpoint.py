@@ -4,11 +4,9 @@ Everything here writes real orbax checkpoints to tmp_path and reads them back; t
 corruption tests damage the real files on disk.
 """
 
-import asyncio
 import os
 import signal
 import threading
-import time
 
 import jax
 import jax.numpy as jnp
@@ -135,33 +133,35 @@ def test_interval_force_and_stale_steps(tmp_path):
         assert mgr.latest_step() == 12
 
 
-def test_old_checkpoints_are_deleted_only_after_the_new_one_is_committed(tmp_path, monkeypatch):
-    # Hold the commit (the rename of the finished temporary directory) of step 3.
-    from orbax.checkpoint._src.path import atomicity
-
-    release = threading.Event()
-    original = atomicity.AtomicRenameTemporaryPath.finalize
-
-    async def held_finalize(self):
-        if self.get_final().name == "3":
-            await asyncio.to_thread(release.wait, 60)
-        return await original(self)
-
-    monkeypatch.setattr(atomicity.AtomicRenameTemporaryPath, "finalize", held_finalize)
-
+def test_old_checkpoints_are_deleted_only_after_the_new_one_is_committed(tmp_path):
+    # Watch the directory while step 3 is written (a few MB, so writing takes a while):
+    # deleting step 1 before step 3 is committed would show as a moment with one step.
     def on_disk():
         return sorted(int(n) for n in os.listdir(tmp_path) if n.isdigit())
 
-    state = _state()
+    state = _state(shape=(1024, 1024))
+    seen, done = [], threading.Event()
+
+    def watch():
+        while not done.is_set():
+            seen.append(tuple(on_disk()))
+
     with CheckpointManager(tmp_path, max_to_keep=2) as mgr:
         mgr.save(1, state)
         mgr.save(2, state)
-        assert mgr.save(3, state)  # returns while step 3 waits to be committed
-        time.sleep(0.5)
-        assert on_disk() == [1, 2]  # step 1 is not deleted before step 3 exists
-        release.set()
         mgr.wait_until_finished()
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        try:
+            assert mgr.save(3, state)
+            mgr.wait_until_finished()
+        finally:
+            done.set()
+            watcher.join()
         assert on_disk() == [2, 3] and mgr.all_steps() == [2, 3]
+    # Only these states, and the watcher saw step 3 committed while step 1 still existed.
+    assert seen[0] == (1, 2) and (1, 2, 3) in seen, sorted(set(seen))
+    assert set(seen) <= {(1, 2), (1, 2, 3), (2, 3)}, sorted(set(seen))
 
 
 def test_max_to_keep_none_keeps_everything(tmp_path):
