@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # examples/ is importable from the repository root
 
 import distrain as dt  # noqa: E402
-from distrain.train.callbacks.throughput import peak_flops_per_device  # noqa: E402
+from distrain._src.train.callbacks.throughput import peak_flops_per_device  # noqa: E402
 from examples.lm.model import flops_per_token  # noqa: E402
 from examples.lm.train import Settings, init_state, settings_from_config, train_step  # noqa: E402
 

@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def worker(args: argparse.Namespace) -> int:
     """One process of one configuration: times `--steps` steps, `--repeats` times."""
-    from distrain.strategy.multi_worker import MultiWorkerMirroredStrategy
+    from distrain._src.strategy.multi_worker import MultiWorkerMirroredStrategy
 
     strategy = MultiWorkerMirroredStrategy()  # before any other JAX call
 
@@ -112,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         _run([*me, "--worker-out", str(one)], env_one, args.timeout)
         results["1 process x 2 devices"] = json.loads(one.read_text())
         two = Path(tmp, "two.json")
-        launch = [sys.executable, "-m", "distrain.cluster.launch", "--nproc", "2"]
+        launch = [sys.executable, "-m", "distrain._src.cluster.launch", "--nproc", "2"]
         launch += ["--devices-per-proc", "1", "--timeout", "60", "--"]
         _run([*launch, *me, "--worker-out", str(two)], env, args.timeout)
         results["2 processes x 1 device"] = json.loads(two.read_text())

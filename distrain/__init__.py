@@ -9,57 +9,59 @@ Example:
 
 __version__ = "0.1.0"
 
-from distrain import _lazy
 from distrain import metrics as metrics
 from distrain import mixed_precision as mixed_precision
-from distrain.cluster import AutoClusterResolver as AutoClusterResolver
-from distrain.cluster import ClusterResolver as ClusterResolver
-from distrain.cluster import CommunicationImplementation as CommunicationImplementation
-from distrain.cluster import CommunicationOptions as CommunicationOptions
-from distrain.cluster import EnvClusterResolver as EnvClusterResolver
-from distrain.cluster import SimpleClusterResolver as SimpleClusterResolver
-from distrain.cluster import TFConfigClusterResolver as TFConfigClusterResolver
-from distrain.cluster import initialize_distributed as initialize_distributed
-from distrain.cluster import resolve_cluster as resolve_cluster
-from distrain.context import ReduceOp as ReduceOp
-from distrain.context import ReplicaContext as ReplicaContext
-from distrain.context import get_replica_context as get_replica_context
-from distrain.context import get_strategy as get_strategy
-from distrain.context import has_strategy as has_strategy
-from distrain.context import in_cross_replica_context as in_cross_replica_context
-from distrain.cross_device_ops import AllReduce as AllReduce
-from distrain.cross_device_ops import CrossDeviceOps as CrossDeviceOps
-from distrain.cross_device_ops import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce
-from distrain.cross_device_ops import NcclAllReduce as NcclAllReduce
-from distrain.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
-from distrain.losses import compute_average_loss as compute_average_loss
-from distrain.losses import scale_regularization_loss as scale_regularization_loss
-from distrain.strategy.base import Strategy as Strategy
-from distrain.strategy.mirrored import MirroredStrategy as MirroredStrategy
-from distrain.strategy.multi_worker import (
+from distrain._src import lazy as _lazy
+from distrain._src.cluster.base import ClusterResolver as ClusterResolver
+from distrain._src.cluster.communication import (
+    CommunicationImplementation as CommunicationImplementation,
+)
+from distrain._src.cluster.communication import CommunicationOptions as CommunicationOptions
+from distrain._src.cluster.resolvers import AutoClusterResolver as AutoClusterResolver
+from distrain._src.cluster.resolvers import EnvClusterResolver as EnvClusterResolver
+from distrain._src.cluster.resolvers import SimpleClusterResolver as SimpleClusterResolver
+from distrain._src.cluster.resolvers import resolve_cluster as resolve_cluster
+from distrain._src.cluster.runtime import initialize_distributed as initialize_distributed
+from distrain._src.cluster.tf_config import TFConfigClusterResolver as TFConfigClusterResolver
+from distrain._src.context import ReduceOp as ReduceOp
+from distrain._src.context import ReplicaContext as ReplicaContext
+from distrain._src.context import get_replica_context as get_replica_context
+from distrain._src.context import get_strategy as get_strategy
+from distrain._src.context import has_strategy as has_strategy
+from distrain._src.context import in_cross_replica_context as in_cross_replica_context
+from distrain._src.cross_device_ops import AllReduce as AllReduce
+from distrain._src.cross_device_ops import CrossDeviceOps as CrossDeviceOps
+from distrain._src.cross_device_ops import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce
+from distrain._src.cross_device_ops import NcclAllReduce as NcclAllReduce
+from distrain._src.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
+from distrain._src.losses import compute_average_loss as compute_average_loss
+from distrain._src.losses import scale_regularization_loss as scale_regularization_loss
+from distrain._src.strategy.base import Strategy as Strategy
+from distrain._src.strategy.mirrored import MirroredStrategy as MirroredStrategy
+from distrain._src.strategy.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
-from distrain.strategy.one_device import OneDeviceStrategy as OneDeviceStrategy
-from distrain.train.accumulation import accumulate_gradients as accumulate_gradients
-from distrain.train.history import History as History
-from distrain.train.state import TrainState as TrainState
-from distrain.train.trainer import DataEndedError as DataEndedError
-from distrain.train.trainer import Trainer as Trainer
-from distrain.values import PerReplica as PerReplica
+from distrain._src.strategy.one_device import OneDeviceStrategy as OneDeviceStrategy
+from distrain._src.train.accumulation import accumulate_gradients as accumulate_gradients
+from distrain._src.train.history import History as History
+from distrain._src.train.state import TrainState as TrainState
+from distrain._src.train.trainer import DataEndedError as DataEndedError
+from distrain._src.train.trainer import Trainer as Trainer
+from distrain._src.values import PerReplica as PerReplica
 
 # Heavy dependencies (orbax, grain, tensorboardX, the parameter-server backends) load
-# on first use of these names (distrain/_lazy.py).
+# on first use of these names (distrain/_src/lazy.py).
 _LAZY = {
     "checkpoint": "distrain.checkpoint",
     "data": "distrain.data",
     "experimental": "distrain.experimental",
-    "PREEMPTION_EXIT_CODE": "distrain.checkpoint.preemption:PREEMPTION_EXIT_CODE",
-    "CheckpointCorruptionError": "distrain.checkpoint._layout:CheckpointCorruptionError",
-    "CheckpointManager": "distrain.checkpoint.manager:CheckpointManager",
-    "PreemptionHandler": "distrain.checkpoint.preemption:PreemptionHandler",
-    "Restored": "distrain.checkpoint.manager:Restored",
-    "InputContext": "distrain.data.distributed:InputContext",
-    "InputOptions": "distrain.data.distributed:InputOptions",
+    "PREEMPTION_EXIT_CODE": "distrain._src.checkpoint.preemption:PREEMPTION_EXIT_CODE",
+    "CheckpointCorruptionError": "distrain._src.checkpoint._layout:CheckpointCorruptionError",
+    "CheckpointManager": "distrain._src.checkpoint.manager:CheckpointManager",
+    "PreemptionHandler": "distrain._src.checkpoint.preemption:PreemptionHandler",
+    "Restored": "distrain._src.checkpoint.manager:Restored",
+    "InputContext": "distrain._src.data.distributed:InputContext",
+    "InputOptions": "distrain._src.data.distributed:InputOptions",
     "callbacks": "distrain.callbacks",
     "config": "distrain.config",
 }

@@ -5,21 +5,21 @@ Example:
   ...              dt.callbacks.BackupAndRestore("/tmp/backup", save_freq=100)]
 """
 
-from distrain.train.callbacks import BackupAndRestore as BackupAndRestore
-from distrain.train.callbacks import Callback as Callback
-from distrain.train.callbacks import CallbackList as CallbackList
-from distrain.train.callbacks import CSVLogger as CSVLogger
-from distrain.train.callbacks import EarlyStopping as EarlyStopping
-from distrain.train.callbacks import JSONLinesLogger as JSONLinesLogger
-from distrain.train.callbacks import LambdaCallback as LambdaCallback
-from distrain.train.callbacks import ModelCheckpoint as ModelCheckpoint
-from distrain.train.callbacks import ProfilerWindow as ProfilerWindow
-from distrain.train.callbacks import ProgressBar as ProgressBar
-from distrain.train.callbacks import StepInfo as StepInfo
-from distrain.train.callbacks import TensorBoard as TensorBoard
-from distrain.train.callbacks import TerminateOnNaN as TerminateOnNaN
-from distrain.train.callbacks import Throughput as Throughput
-from distrain.train.callbacks.throughput import format_throughput as format_throughput
+from distrain._src.train.callbacks.base import Callback as Callback
+from distrain._src.train.callbacks.base import CallbackList as CallbackList
+from distrain._src.train.callbacks.base import LambdaCallback as LambdaCallback
+from distrain._src.train.callbacks.base import StepInfo as StepInfo
+from distrain._src.train.callbacks.checkpointing import BackupAndRestore as BackupAndRestore
+from distrain._src.train.callbacks.checkpointing import ModelCheckpoint as ModelCheckpoint
+from distrain._src.train.callbacks.control import EarlyStopping as EarlyStopping
+from distrain._src.train.callbacks.control import TerminateOnNaN as TerminateOnNaN
+from distrain._src.train.callbacks.logging import CSVLogger as CSVLogger
+from distrain._src.train.callbacks.logging import JSONLinesLogger as JSONLinesLogger
+from distrain._src.train.callbacks.logging import ProgressBar as ProgressBar
+from distrain._src.train.callbacks.logging import TensorBoard as TensorBoard
+from distrain._src.train.callbacks.throughput import ProfilerWindow as ProfilerWindow
+from distrain._src.train.callbacks.throughput import Throughput as Throughput
+from distrain._src.train.callbacks.throughput import format_throughput as format_throughput
 
 __all__ = [
     "BackupAndRestore",

@@ -65,7 +65,7 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show the full traceback of an error (also: DISTRAIN_DEBUG=1)",
     )
-    # `launch` is parsed by distrain.cluster.launch; listed here for `distrain --help`.
+    # `launch` is parsed by distrain._src.cluster.launch; listed here for `distrain --help`.
     sub.add_parser(
         "launch",
         help="run N processes of a program as one multi-worker job",
@@ -90,7 +90,7 @@ _USER_ERRORS = (ValueError, TypeError, OSError, ImportError)
 
 
 def _train(args: argparse.Namespace) -> int:
-    from distrain.train.config import ConfigError, config_to_dict, load_config
+    from distrain._src.train.config import ConfigError, config_to_dict, load_config
 
     debug = _debug_wanted(args)
     try:
@@ -105,7 +105,7 @@ def _train(args: argparse.Namespace) -> int:
 
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=None), end="")
         return 0
-    from distrain.train.run import run_config
+    from distrain._src.train.run import run_config
 
     # Import paths in the config resolve from the working directory, as with
     # `python -m`: a console script's sys.path starts at its own bin/ directory.
@@ -129,7 +129,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``distrain`` command; returns the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "launch":
-        from distrain.cluster.launch import main as launch_main
+        from distrain._src.cluster.launch import main as launch_main
 
         return launch_main(argv[1:])
     parser = _parser()

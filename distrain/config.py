@@ -11,11 +11,11 @@ Example:
   >>> result.test_metrics["accuracy"]
 """
 
-from distrain.train.config import ConfigError as ConfigError
-from distrain.train.config import RunConfig as RunConfig
-from distrain.train.config import load_config as load_config
-from distrain.train.run import RunResult as RunResult
-from distrain.train.run import resolve_callable as resolve_callable
-from distrain.train.run import run_config as run_config
+from distrain._src.train.config import ConfigError as ConfigError
+from distrain._src.train.config import RunConfig as RunConfig
+from distrain._src.train.config import load_config as load_config
+from distrain._src.train.run import RunResult as RunResult
+from distrain._src.train.run import resolve_callable as resolve_callable
+from distrain._src.train.run import run_config as run_config
 
 __all__ = ["ConfigError", "RunConfig", "RunResult", "load_config", "resolve_callable", "run_config"]

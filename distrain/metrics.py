@@ -10,10 +10,10 @@ Example:
   ...                                                         mask=batch["mask"])}
 """
 
-from distrain.train.metrics import Accuracy as Accuracy
-from distrain.train.metrics import Mean as Mean
-from distrain.train.metrics import Metric as Metric
-from distrain.train.metrics import Sum as Sum
-from distrain.train.metrics import WeightedMean as WeightedMean
+from distrain._src.train.metrics import Accuracy as Accuracy
+from distrain._src.train.metrics import Mean as Mean
+from distrain._src.train.metrics import Metric as Metric
+from distrain._src.train.metrics import Sum as Sum
+from distrain._src.train.metrics import WeightedMean as WeightedMean
 
 __all__ = ["Accuracy", "Mean", "Metric", "Sum", "WeightedMean"]

@@ -18,10 +18,10 @@ SCRIPT = textwrap.dedent(
     import os, sys, time
     import jax, jax.numpy as jnp, numpy as np, optax
     import distrain as dt
-    from distrain.data.pipeline import ArrayPipeline
-    from distrain.train import callbacks as cb
-    from distrain.train.metrics import Mean
-    from distrain.train.trainer import Trainer
+    from distrain._src.data.pipeline import ArrayPipeline
+    from distrain import callbacks as cb
+    from distrain._src.train.metrics import Mean
+    from distrain._src.train.trainer import Trainer
 
     def train_step(state, batch):
         def loss_fn(p):

@@ -7,7 +7,7 @@ import jax
 import pytest
 
 import distrain as dt
-from distrain.train.callbacks.throughput import PEAK_FLOPS, peak_flops_per_device
+from distrain._src.train.callbacks.throughput import PEAK_FLOPS, peak_flops_per_device
 from tests.linear_problem import new_state, problem, train_step
 
 BATCH = 16

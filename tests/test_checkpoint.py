@@ -17,13 +17,13 @@ from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
 import distrain as dt
+from distrain._src.checkpoint import _fingerprint
 from distrain.checkpoint import (
     PREEMPTION_EXIT_CODE,
     CheckpointCorruptionError,
     CheckpointManager,
     PreemptionHandler,
     Restored,
-    _fingerprint,
 )
 
 _TX = optax.adam(1e-3)  # one instance: it is part of the TrainState's tree structure

@@ -15,7 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from distrain.checkpoint import CheckpointCorruptionError, CheckpointManager, _layout, _restore
+from distrain._src.checkpoint import _layout, _restore
+from distrain.checkpoint import CheckpointCorruptionError, CheckpointManager
 from tests.test_checkpoint import _BIG, _damage, _is_chunk, _state, _step_files, _two_checkpoints
 
 
@@ -250,7 +251,7 @@ def test_only_the_closed_loop_echo_and_tensorstore_futures_are_silenced():
     import logging
     import types
 
-    from distrain.checkpoint import _quiet
+    from distrain._src.checkpoint import _quiet
 
     loop = asyncio.new_event_loop()
     loop.close()

@@ -23,8 +23,8 @@ import pytest
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
+from distrain._src.cluster.launch import free_port
 from distrain.checkpoint import PREEMPTION_EXIT_CODE, CheckpointManager
-from distrain.cluster.launch import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "ckpt_multiprocess.py"
 TIMEOUT = 120

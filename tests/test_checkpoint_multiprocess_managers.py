@@ -1,6 +1,6 @@
 """Checkpoints in 2-process jobs: two managers at once, and directories that are not shared.
 
-Real jobs: `distrain.cluster.launch --nproc 2 --devices-per-proc 2` starts the script
+Real jobs: `distrain._src.cluster.launch --nproc 2 --devices-per-proc 2` starts the script
 below twice on loopback (MultiWorkerMirroredStrategy, gloo), with bounded timeouts.
 """
 
@@ -24,12 +24,12 @@ _TWO_MANAGERS = f"""
 import os, sys
 sys.path.insert(0, {str(SCRIPTS)!r})
 import mw_train
-from distrain.strategy.multi_worker import MultiWorkerMirroredStrategy
+from distrain._src.strategy.multi_worker import MultiWorkerMirroredStrategy
 
 strategy = MultiWorkerMirroredStrategy()  # first: before any other JAX call
 import jax
-from distrain.train.callbacks import BackupAndRestore, ModelCheckpoint
-from distrain.train.trainer import Trainer
+from distrain.callbacks import BackupAndRestore, ModelCheckpoint
+from distrain._src.train.trainer import Trainer
 
 out = sys.argv[1]
 step = mw_train.make_train_step(16)
@@ -52,7 +52,7 @@ print("DONE", jax.process_index(), flush=True)
 
 _NOT_SHARED = """
 import os, sys
-from distrain.strategy.multi_worker import MultiWorkerMirroredStrategy
+from distrain._src.strategy.multi_worker import MultiWorkerMirroredStrategy
 
 strategy = MultiWorkerMirroredStrategy()
 import jax
@@ -81,7 +81,7 @@ def _launch(tmp_path, script, timeout=150):
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT),
     )
-    argv = [sys.executable, "-m", "distrain.cluster.launch", "--nproc", "2"]
+    argv = [sys.executable, "-m", "distrain._src.cluster.launch", "--nproc", "2"]
     argv += ["--devices-per-proc", "2", "--timeout", "30", "--"]
     argv += [sys.executable, str(path), str(tmp_path)]
     proc = subprocess.Popen(

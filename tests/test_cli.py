@@ -64,7 +64,7 @@ def test_config_names_user_code_by_import_path(tmp_path, monkeypatch, capsys, de
     (pkg / "task.py").write_text(
         textwrap.dedent("""
         import jax, jax.numpy as jnp, numpy as np
-        from distrain.train.metrics import Mean
+        from distrain._src.train.metrics import Mean
 
         def linear(*, key, dim):
             params = {"w": jnp.zeros((dim,)), "b": jnp.zeros(())}

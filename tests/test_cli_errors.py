@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from distrain.cluster.launch import free_port
+from distrain._src.cluster.launch import free_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")

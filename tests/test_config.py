@@ -7,14 +7,14 @@ import jax
 import pytest
 import yaml
 
-from distrain.train.config import (
+from distrain._src.train.config import (
     ConfigError,
     RunConfig,
     apply_overrides,
     config_from_dict,
     load_config,
 )
-from distrain.train.run import _optimizer, _split_model, build_strategy, resolve_callable
+from distrain._src.train.run import _optimizer, _split_model, build_strategy, resolve_callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))

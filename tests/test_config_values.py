@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from distrain.train.config import ConfigError, config_from_dict, load_config
+from distrain._src.train.config import ConfigError, config_from_dict, load_config
 
 REQUIRED = {"model": {"fn": "m:f"}, "data": {"fn": "d:f"}, "train": {"train_step": "s:f"}}
 

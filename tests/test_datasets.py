@@ -11,9 +11,9 @@ from collections import Counter
 import numpy as np
 import pytest
 
-import distrain.data.datasets as datasets
-from distrain.cluster.launch import free_port
-from distrain.data.datasets import MNIST_FILES, load_digits, load_mnist
+import distrain._src.data.datasets as datasets
+from distrain._src.cluster.launch import free_port
+from distrain._src.data.datasets import MNIST_FILES, load_digits, load_mnist
 
 # --------------------------------------------------------------------------- digits
 
@@ -242,7 +242,7 @@ def test_docs_state_the_true_digits_split():
     root = pathlib.Path(__file__).resolve().parents[1]
     n_train, n_test = len(load_digits("train")["label"]), len(load_digits("test")["label"])
     assert (n_train, n_test) == (1438, 359)
-    files = ["docs/getting_started.md", "configs/quickstart.yaml", "distrain/data/datasets.py"]
+    files = ["docs/getting_started.md", "configs/quickstart.yaml", "distrain/_src/data/datasets.py"]
     for name in files:
         text = (root / name).read_text()
         for wrong in re.findall(r"\b1,?437\b|\b360 test\b", text):

@@ -23,10 +23,10 @@ import pytest
 from flax import nnx
 
 import distrain as dt
-from distrain.cluster.launch import free_port
-from distrain.data.pipeline import ArrayPipeline
-from distrain.train.config import load_config
-from distrain.train.run import run_config
+from distrain._src.cluster.launch import free_port
+from distrain._src.data.pipeline import ArrayPipeline
+from distrain._src.train.config import load_config
+from distrain._src.train.run import run_config
 from examples.lm import data as lm_data
 from examples.lm.model import LMConfig, Transformer, count_params, flops_per_token
 from examples.lm.train import (

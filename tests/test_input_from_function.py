@@ -126,7 +126,7 @@ def test_tf_pattern_on_two_processes(tmp_path):
     import os
     import sys
 
-    from distrain.cluster.launch import free_port
+    from distrain._src.cluster.launch import free_port
     from tests.processes import run_together
 
     script = tmp_path / "tf_input.py"

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import distrain as dt
-from distrain.data.pipeline import ArrayPipeline
+from distrain._src.data.pipeline import ArrayPipeline
 
 N, B = 48, 16
 

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import distrain as dt
-from distrain.cluster import launch
+from distrain._src.cluster import launch
 
 PY = sys.executable
 TRAIN = str(Path(__file__).parent / "scripts" / "mw_train.py")
@@ -96,7 +96,7 @@ def test_after_a_failure_the_others_are_killed_at_once(capfd, tmp_path):
 
 def test_a_stopped_launcher_kills_a_process_ignoring_sigterm_after_the_grace_period(tmp_path):
     code = IGNORE_SIGTERM.format(dir=str(tmp_path), fail=False)
-    argv = [PY, "-m", "distrain.cluster.launch", "--nproc", "2", "--grace-period", "1"]
+    argv = [PY, "-m", "distrain._src.cluster.launch", "--nproc", "2", "--grace-period", "1"]
     proc = subprocess.Popen(argv + py(code), start_new_session=True, stdout=subprocess.PIPE)
     try:
         deadline = time.monotonic() + 30
@@ -162,7 +162,7 @@ def test_sigterm_to_the_launcher_stops_every_process(tmp_path):
         ".write(str(os.getpid()))\n"
         "time.sleep(60)"
     )
-    argv = [PY, "-m", "distrain.cluster.launch", "--nproc", "2", "--grace-period", "1"]
+    argv = [PY, "-m", "distrain._src.cluster.launch", "--nproc", "2", "--grace-period", "1"]
     proc = subprocess.Popen(argv + py(code), start_new_session=True, stdout=subprocess.DEVNULL)
     try:
         deadline = time.monotonic() + 30
@@ -213,7 +213,7 @@ def _uninterrupted_reference(devices, steps: int, batch: int = 16) -> dict:
 
 def test_killed_worker_is_restarted_and_resumes_from_its_checkpoint(tmp_path, devices):
     # Process 1 SIGKILLs itself after step 3 (before saving it) on the first attempt.
-    cmd = [PY, "-m", "distrain.cluster.launch", "--nproc", "2", "--devices-per-proc", "1"]
+    cmd = [PY, "-m", "distrain._src.cluster.launch", "--nproc", "2", "--devices-per-proc", "1"]
     cmd += ["--max-restarts", "1", "--grace-period", "1", "--timeout", "20", "--"]
     cmd += [PY, TRAIN, "--out", str(tmp_path / "out"), "--ckpt", str(tmp_path / "ckpt")]
     cmd += ["--ckpt-impl", "distrain", "--kill-at", "3", "--steps", "6"]
@@ -277,7 +277,7 @@ def test_a_command_that_cannot_start_is_one_error_and_no_restart(
 def test_a_worker_error_is_restarted_within_seconds(tmp_path):
     # Process 1 raises after step 3 on the first attempt. Before distrain's fail-fast exit
     # it then waited in JAX's shutdown barrier for 300 s, and so did the restart.
-    cmd = [PY, "-m", "distrain.cluster.launch", "--nproc", "2", "--devices-per-proc", "1"]
+    cmd = [PY, "-m", "distrain._src.cluster.launch", "--nproc", "2", "--devices-per-proc", "1"]
     cmd += ["--max-restarts", "1", "--", PY, FAULT, "--fault", "raise", "--steps", "5"]
     proc = subprocess.Popen(
         cmd,

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from distrain.cluster.launch import free_port
+from distrain._src.cluster.launch import free_port
 from tests.processes import run_together
 
 SCRIPTS = Path(__file__).parent / "scripts"

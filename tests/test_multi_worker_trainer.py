@@ -47,7 +47,7 @@ def test_trainer_on_two_processes_matches_one_and_only_the_chief_logs(tmp_path):
     one.mkdir()
     two.mkdir()
     run([sys.executable, SCRIPT, "--out", str(one)], env_for(4))
-    launch = [sys.executable, "-m", "distrain.cluster.launch", "--nproc", "2"]
+    launch = [sys.executable, "-m", "distrain._src.cluster.launch", "--nproc", "2"]
     launch += ["--devices-per-proc", "2", "--timeout", "30", "--"]
     log = run([*launch, sys.executable, SCRIPT, "--out", str(two)], env_for(8))
 

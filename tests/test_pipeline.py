@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from distrain.data.pipeline import ArrayPipeline
+from distrain._src.data.pipeline import ArrayPipeline
 
 
 def _data(n=40):

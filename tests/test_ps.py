@@ -17,16 +17,16 @@ import optax
 import pytest
 
 import distrain as dt
-from distrain.data.datasets import load_digits
-from distrain.ps import (
-    ClusterCoordinator,
-    FixedShardsPartitioner,
+from distrain._src.data.datasets import load_digits
+from distrain._src.ps.coordinator import ClusterCoordinator
+from distrain._src.ps.errors import (
     FunctionCancelledError,
     OutOfRangeError,
-    ParameterServerStrategy,
     ParameterServerUnavailableError,
     WorkerUnavailableError,
 )
+from distrain._src.ps.partitioners import FixedShardsPartitioner
+from distrain._src.ps.strategy import ParameterServerStrategy
 
 # ----------------------------------------------------------------- model
 

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from distrain.ps.layout import Layout
-from distrain.ps.partitioners import (
+from distrain._src.ps.layout import Layout
+from distrain._src.ps.partitioners import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
     MinSizePartitioner,

@@ -15,13 +15,11 @@ import ray
 import test_ps as common
 from ray import cloudpickle
 
-from distrain.ps import (
-    ClusterCoordinator,
-    FixedShardsPartitioner,
-    ParameterServerStrategy,
-    ParameterServerUnavailableError,
-)
-from distrain.ps.ray_backend import connect
+from distrain._src.ps.coordinator import ClusterCoordinator
+from distrain._src.ps.errors import ParameterServerUnavailableError
+from distrain._src.ps.partitioners import FixedShardsPartitioner
+from distrain._src.ps.ray_backend import connect
+from distrain._src.ps.strategy import ParameterServerStrategy
 
 pytestmark = pytest.mark.timeout(240)
 

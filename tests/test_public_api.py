@@ -17,6 +17,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 PUBLIC = (
     "distrain",
     "distrain.callbacks",
+    "distrain.checkpoint",
     "distrain.config",
     "distrain.data",
     "distrain.experimental",
@@ -25,6 +26,20 @@ PUBLIC = (
     "distrain.metrics",
     "distrain.mixed_precision",
 )
+
+
+def test_every_module_outside_src_is_public():
+    import pkgutil
+
+    import distrain
+
+    outside = {
+        info.name
+        for info in pkgutil.walk_packages(distrain.__path__, "distrain.")
+        if not info.name.startswith("distrain._src")
+    }
+    # `distrain.cli` is the console script (`distrain train`, `distrain launch`).
+    assert outside == set(PUBLIC) - {"distrain"} | {"distrain.cli"}
 
 
 @pytest.mark.parametrize("name", PUBLIC)
@@ -76,10 +91,10 @@ def test_examples_and_docs_import_only_public_modules():
 # Concrete bases that are meant to be extended, and why (equinox's rule otherwise: a
 # base class is abstract, and a concrete class is not subclassed).
 EXTENSION_POINTS = {
-    "distrain.train.callbacks.base.Callback": "Keras' contract: every hook is an optional no-op",
-    "distrain.train.callbacks.checkpointing._Saver": "private: the two checkpoint callbacks",
-    "distrain.cross_device_ops._Psum": "private: two final spellings of one psum",
-    "distrain.train.config._Section": "private: the pydantic settings every section shares",
+    "distrain._src.train.callbacks.base.Callback": "Keras' contract: hooks are optional no-ops",
+    "distrain._src.train.callbacks.checkpointing._Saver": "private: the two checkpoint callbacks",
+    "distrain._src.cross_device_ops._Psum": "private: two final spellings of one psum",
+    "distrain._src.train.config._Section": "private: the pydantic settings every section shares",
 }
 
 

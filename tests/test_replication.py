@@ -17,7 +17,7 @@ import pytest
 from jax.extend import core
 
 import distrain as dt
-from distrain.strategy import _replication as R
+from distrain._src.strategy import _replication as R
 
 AXIS = "replica"
 

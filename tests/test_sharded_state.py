@@ -16,7 +16,7 @@ import optax
 import pytest
 
 import distrain as dt
-from distrain.cluster.launch import free_port
+from distrain._src.cluster.launch import free_port
 from tests.linear_problem import new_state, problem, train_step
 from tests.processes import run_together
 from tests.test_multi_worker import clean_env
@@ -177,11 +177,12 @@ def test_shard_state_choices(devices):
 
 
 def test_config_takes_the_hybrid_layout():
-    from distrain.train.config import ConfigError, config_from_dict
+    from distrain._src.train.config import ConfigError, config_from_dict
 
+    code = {"model": {"fn": "m:f"}, "data": {"fn": "d:f"}, "train": {"train_step": "s:f"}}
     cfg = config_from_dict(
-        {"strategy": {"name": "multi_worker_mirrored", "shard_state": "process"}}
+        {**code, "strategy": {"name": "multi_worker_mirrored", "shard_state": "process"}}
     )
     assert cfg.strategy.shard_state == "process"
     with pytest.raises(ConfigError, match=r"'strategy.shard_state' must be bool \| 'process'"):
-        config_from_dict({"strategy": {"shard_state": "host"}})
+        config_from_dict({**code, "strategy": {"shard_state": "host"}})

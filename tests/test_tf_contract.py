@@ -19,7 +19,7 @@ import optax
 import pytest
 
 import distrain as dt
-from distrain.cluster.launch import free_port
+from distrain._src.cluster.launch import free_port
 from tests.processes import run_together
 from tests.test_multi_worker import clean_env
 

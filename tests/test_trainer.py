@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 import distrain as dt
-from distrain.data.pipeline import ArrayPipeline
-from distrain.train.callbacks import LambdaCallback
-from distrain.train.trainer import DataEndedError, Trainer
+from distrain._src.data.pipeline import ArrayPipeline
+from distrain._src.train.callbacks.base import LambdaCallback
+from distrain._src.train.trainer import DataEndedError, Trainer
 from tests.linear_problem import DIM, apply_fn, eval_step, new_state, problem, train_step
 
 

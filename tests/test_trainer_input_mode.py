@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import distrain as dt
-from distrain.train import _input
+from distrain._src.train import _input
 from tests.linear_problem import new_state, problem, train_step
 
 

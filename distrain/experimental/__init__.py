@@ -5,9 +5,9 @@
 ``dt.MultiWorkerMirroredStrategy``.
 """
 
-from distrain import _lazy
-from distrain.strategy.central_storage import CentralStorageStrategy as CentralStorageStrategy
-from distrain.strategy.multi_worker import (
+from distrain._src import lazy as _lazy
+from distrain._src.strategy.central_storage import CentralStorageStrategy as CentralStorageStrategy
+from distrain._src.strategy.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
 
@@ -15,7 +15,7 @@ from distrain.strategy.multi_worker import (
 __getattr__, __dir__ = _lazy.exports(
     globals(),
     {
-        "ParameterServerStrategy": "distrain.ps.strategy:ParameterServerStrategy",
+        "ParameterServerStrategy": "distrain._src.ps.strategy:ParameterServerStrategy",
         "coordinator": "distrain.experimental.coordinator",
         "partitioners": "distrain.experimental.partitioners",
     },

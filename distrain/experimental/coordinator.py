@@ -1,13 +1,15 @@
 """``dt.experimental.coordinator``: scheduling functions on parameter-server workers."""
 
-from distrain.ps import ClusterCoordinator as ClusterCoordinator
-from distrain.ps import FunctionCancelledError as FunctionCancelledError
-from distrain.ps import OutOfRangeError as OutOfRangeError
-from distrain.ps import ParameterServerUnavailableError as ParameterServerUnavailableError
-from distrain.ps import PerWorkerDataset as PerWorkerDataset
-from distrain.ps import PerWorkerIterator as PerWorkerIterator
-from distrain.ps import RemoteValue as RemoteValue
-from distrain.ps import WorkerUnavailableError as WorkerUnavailableError
+from distrain._src.ps.coordinator import ClusterCoordinator as ClusterCoordinator
+from distrain._src.ps.coordinator import RemoteValue as RemoteValue
+from distrain._src.ps.datasets import PerWorkerDataset as PerWorkerDataset
+from distrain._src.ps.datasets import PerWorkerIterator as PerWorkerIterator
+from distrain._src.ps.errors import FunctionCancelledError as FunctionCancelledError
+from distrain._src.ps.errors import OutOfRangeError as OutOfRangeError
+from distrain._src.ps.errors import (
+    ParameterServerUnavailableError as ParameterServerUnavailableError,
+)
+from distrain._src.ps.errors import WorkerUnavailableError as WorkerUnavailableError
 
 __all__ = [
     "ClusterCoordinator",

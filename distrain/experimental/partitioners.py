@@ -1,8 +1,8 @@
 """``dt.experimental.partitioners``: how large variables split across parameter servers."""
 
-from distrain.ps import FixedShardsPartitioner as FixedShardsPartitioner
-from distrain.ps import MaxSizePartitioner as MaxSizePartitioner
-from distrain.ps import MinSizePartitioner as MinSizePartitioner
-from distrain.ps import Partitioner as Partitioner
+from distrain._src.ps.partitioners import FixedShardsPartitioner as FixedShardsPartitioner
+from distrain._src.ps.partitioners import MaxSizePartitioner as MaxSizePartitioner
+from distrain._src.ps.partitioners import MinSizePartitioner as MinSizePartitioner
+from distrain._src.ps.partitioners import Partitioner as Partitioner
 
 __all__ = ["FixedShardsPartitioner", "MaxSizePartitioner", "MinSizePartitioner", "Partitioner"]

@@ -4,7 +4,7 @@ The synchronous PPO of :mod:`train` all-reduces every update. Here there is no
 synchronisation between workers: each worker runs a compiled step that
 
 1. pulls the current parameters from the parameter servers (a host callback
-   inside the compiled program, see ``distrain/ps/step.py``),
+   inside the compiled program, see ``distrain/_src/ps/step.py``),
 2. steps its own environments for ``rollout_steps`` (the JAX CartPole, inside
    the program, as in :mod:`train`),
 3. computes an advantage actor-critic gradient on that rollout and pushes it;

@@ -10,7 +10,7 @@ import sys
 
 
 def main() -> int:
-    from distrain.strategy.multi_worker import MultiWorkerMirroredStrategy
+    from distrain._src.strategy.multi_worker import MultiWorkerMirroredStrategy
 
     strategy = MultiWorkerMirroredStrategy()
 

@@ -1,0 +1,454 @@
+"""`distrain launch`: run N processes of one program on this machine, restart them on failure.
+
+Like `torchrun` for one machine:
+
+    distrain launch --nproc 2 --devices-per-proc 2 --max-restarts 3 -- python train.py
+
+starts `python train.py` twice with the variables `dt.MultiWorkerMirroredStrategy()`
+reads (DISTRAIN_COORDINATOR_ADDRESS=127.0.0.1:<free port>, DISTRAIN_NUM_PROCESSES,
+DISTRAIN_PROCESS_ID, DISTRAIN_LOCAL_DEVICES, and XLA_FLAGS for K virtual CPU
+devices), prefixes every output line with "[i] ", and waits. On a GPU machine
+`--gpus-per-proc G` gives process i its own GPUs i*G .. i*G+G-1 through
+CUDA_VISIBLE_DEVICES (without it every process sees every GPU).
+
+When a process exits with a non-zero status (or is killed), the launcher kills
+the others at once (SIGKILL to each process group: without the failed process
+they cannot save anyway) and starts all N again on a fresh port, up to
+`--max-restarts` times; the program resumes from its latest checkpoint. When the
+launcher itself is stopped (SIGTERM, Ctrl-C) it sends SIGTERM to each process
+group and SIGKILL after `--grace-period`. DISTRAIN_RESTART_COUNT tells it which attempt
+it is. The launcher's exit status is the last attempt's: 0, the failing
+process's status, or 128+signal for a process killed by a signal. A program
+that cannot be started is one error line and no restart: status 127 (not
+found) or 126 (not executable), as in a shell.
+
+The launcher drives one machine. On several machines run the program on each
+machine with the variables set by hand (or TF_CONFIG, or under Slurm), and let
+the cluster's scheduler restart the job: see docs/multi_worker.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import IO, Any
+
+from distrain._src.cluster.base import (
+    ENV_COORDINATOR_ADDRESS,
+    ENV_LOCAL_DEVICES,
+    ENV_NUM_PROCESSES,
+    ENV_PROCESS_ID,
+)
+from distrain._src.cluster.communication import ENV_TIMEOUT_SECONDS
+
+ENV_RESTART_COUNT = "DISTRAIN_RESTART_COUNT"
+_DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
+_LINE_END = re.compile(rb"(\r\n|\n|\r)")
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def _checked(
+    convert: Callable[[str], Any], ok: Callable[[Any], bool], expected: str
+) -> Callable[[str], Any]:
+    """An argparse ``type``: ``convert(text)``, rejected unless ``ok`` (says ``expected``)."""
+
+    def parse(text: str) -> Any:
+        try:
+            value = convert(text)
+        except ValueError:
+            value = None
+        if value is None or not ok(value):
+            raise argparse.ArgumentTypeError(f"expected {expected}, received {text!r}")
+        return value
+
+    return parse
+
+
+_positive_int = _checked(int, lambda v: v >= 1, "an integer >= 1")
+_non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
+_positive_float = _checked(float, lambda v: v > 0, "seconds > 0")
+_port = _checked(int, lambda v: 0 <= v <= 65535, "a port in 0..65535")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Adds the `distrain launch` options to `parser` (for the `distrain` CLI)."""
+    parser.add_argument("--nproc", type=_positive_int, required=True, help="processes to start")
+    parser.add_argument(
+        "--devices-per-proc",
+        type=_positive_int,
+        default=None,
+        metavar="K",
+        help="virtual CPU devices per process (sets XLA_FLAGS and DISTRAIN_LOCAL_DEVICES)",
+    )
+    parser.add_argument(
+        "--gpus-per-proc",
+        type=_positive_int,
+        default=None,
+        metavar="G",
+        help="GPUs per process: process i gets GPUs i*G .. i*G+G-1 of this machine (of "
+        "CUDA_VISIBLE_DEVICES if set) through CUDA_VISIBLE_DEVICES, and DISTRAIN_LOCAL_DEVICES=G",
+    )
+    parser.add_argument(
+        "--max-restarts",
+        type=_non_negative_int,
+        default=0,
+        metavar="R",
+        help="restart all processes up to R times after a failure (default 0)",
+    )
+    parser.add_argument(
+        "--port",
+        type=_port,
+        default=0,
+        help="coordinator port on 127.0.0.1 (default: a free port, a new one per attempt)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="sets DISTRAIN_TIMEOUT_SECONDS: every process must join within S s, and a process "
+        "that sends no heartbeat for S s counts as dead, which ends the others "
+        "(default: 300 s to join, 20 s heartbeat)",
+    )
+    parser.add_argument(
+        "--grace-period",
+        type=_positive_float,
+        default=5.0,
+        metavar="S",
+        help="when the launcher is stopped (SIGTERM, Ctrl-C): seconds between SIGTERM and "
+        "SIGKILL to the processes (default 5; after a failure they are killed at once)",
+    )
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="-- then the program and its arguments"
+    )
+
+
+def _child_env(args: argparse.Namespace, index: int, port: int, attempt: int) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        {
+            ENV_COORDINATOR_ADDRESS: f"127.0.0.1:{port}",
+            ENV_NUM_PROCESSES: str(args.nproc),
+            ENV_PROCESS_ID: str(index),
+            ENV_RESTART_COUNT: str(attempt),
+            "PYTHONUNBUFFERED": "1",  # lines reach the prefixer as they are printed
+        }
+    )
+    if args.devices_per_proc is not None:
+        flags = _DEVICE_FLAG.sub("", env.get("XLA_FLAGS", "")).strip()
+        device_flag = f"--xla_force_host_platform_device_count={args.devices_per_proc}"
+        env["XLA_FLAGS"] = f"{flags} {device_flag}".strip()
+        env[ENV_LOCAL_DEVICES] = str(args.devices_per_proc)
+    if args.gpus_per_proc is not None:
+        gpus = _visible_gpus(os.environ, args.nproc * args.gpus_per_proc)
+        mine = gpus[index * args.gpus_per_proc : (index + 1) * args.gpus_per_proc]
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(mine)
+        env[ENV_LOCAL_DEVICES] = str(args.gpus_per_proc)
+        # The process sees its GPUs as ordinals 0..G-1: an inherited list of device ids
+        # (meant for the whole machine) would name GPUs it cannot see.
+        for name in ("DISTRAIN_LOCAL_DEVICE_IDS", "JAX_LOCAL_DEVICE_IDS"):
+            env.pop(name, None)
+    if args.timeout is not None:
+        env[ENV_TIMEOUT_SECONDS] = f"{args.timeout:g}"
+    return env
+
+
+def _visible_gpus(environ: dict[str, str] | os._Environ, needed: int) -> list[str]:
+    """The GPU ids to share out: the launcher's CUDA_VISIBLE_DEVICES, else 0 .. needed-1.
+
+    Raises:
+        ValueError: CUDA_VISIBLE_DEVICES lists fewer GPUs than the processes need.
+    """
+    text = environ.get("CUDA_VISIBLE_DEVICES")
+    if text is None:
+        return [str(i) for i in range(needed)]
+    gpus = [g.strip() for g in text.split(",") if g.strip()]
+    if len(gpus) < needed:
+        raise ValueError(
+            f"--nproc x --gpus-per-proc needs {needed} GPUs, but CUDA_VISIBLE_DEVICES lists "
+            f"{len(gpus)} ({text!r}). Start fewer processes, give each fewer GPUs, or make "
+            "more GPUs visible."
+        )
+    return gpus
+
+
+def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock) -> None:
+    """Copies `stream` to `out`, prefixing every line, as lines arrive.
+
+    Carriage returns end a line too, so progress bars (tqdm redraws with "\r") keep
+    their prefix and show live; a segment is written whole, never interleaved.
+    """
+    pending = b""
+    while True:
+        chunk = stream.read1(65536) if hasattr(stream, "read1") else stream.read(65536)
+        if not chunk:
+            break
+        pending += chunk
+        segments = _LINE_END.split(pending)
+        # split() with a capturing group alternates text and terminator; the last
+        # element is the unterminated rest.
+        pending = segments.pop()
+        if segments:
+            text = b"".join(
+                (prefix + segments[i] if segments[i] else b"") + segments[i + 1]
+                for i in range(0, len(segments), 2)
+            )
+            with lock:
+                out.write(text)
+                out.flush()
+    if pending:
+        with lock:
+            out.write(prefix + pending + b"\n")
+            out.flush()
+    stream.close()
+
+
+def _status_text(code: int) -> str:
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
+
+
+def _exit_code(code: int) -> int:
+    return 128 - code if code < 0 else code
+
+
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
+def _kill(procs: list[subprocess.Popen]) -> None:
+    """SIGKILLs every process group still running and reaps the processes."""
+    for p in procs:
+        if p.poll() is None:
+            _signal_group(p, signal.SIGKILL)
+    for p in procs:
+        p.wait()
+
+
+def _stop(procs: list[subprocess.Popen], grace: float) -> None:
+    """SIGTERM every process group still running, SIGKILL what is left after `grace` s."""
+    # Only groups whose leader is still running: a reaped leader's id may be reused.
+    running = [p for p in procs if p.poll() is None]
+    for p in running:
+        _signal_group(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    for p in running:
+        try:
+            p.wait(timeout=max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for p in running:
+        # The whole group: the process may have started children of its own.
+        _signal_group(p, signal.SIGKILL)
+        p.wait()
+
+
+class _CannotStart(Exception):
+    """The program cannot be started at all: restarting it cannot help."""
+
+    def __init__(self, message: str, status: int):
+        super().__init__(message)
+        self.status = status
+
+
+def _check_program(program: str) -> None:
+    """Raises `_CannotStart` (exit status 127/126, as a shell) unless `program` can be run."""
+    if shutil.which(program) is not None:
+        return
+    has_dir = os.sep in program or (os.altsep is not None and os.altsep in program)
+    if has_dir and os.path.isfile(program):
+        raise _CannotStart(
+            f"cannot start {program!r}: not executable. Expected an executable file; run it "
+            f"through its interpreter (e.g. `-- python {program}`) or `chmod +x` it.",
+            126,
+        )
+    where = "" if has_dir else " on PATH"
+    raise _CannotStart(
+        f"cannot start {program!r}: not found{where}. Expected the program to run after '--', "
+        "e.g. `distrain launch --nproc 2 -- python train.py`; check its spelling and PATH.",
+        127,
+    )
+
+
+class _Launcher:
+    def __init__(self, args: argparse.Namespace, command: list[str]):
+        self.args = args
+        self.command = command
+        self.out = getattr(sys.stdout, "buffer", None) or sys.stdout
+        self.lock = threading.Lock()
+
+    def log(self, message: str) -> None:
+        with self.lock:
+            sys.stderr.write(f"[launch] {message}\n")
+            sys.stderr.flush()
+
+    def attempt(self, attempt: int) -> int:
+        """Runs the N processes once; returns 0 or the first failure's exit code."""
+        port = self.args.port or free_port()
+        self.log(
+            f"starting {self.args.nproc} processes (attempt {attempt + 1} of "
+            f"{self.args.max_restarts + 1}), coordinator 127.0.0.1:{port}"
+        )
+        procs: list[subprocess.Popen] = []
+        pumps: list[threading.Thread] = []
+        try:
+            for i in range(self.args.nproc):
+                try:
+                    proc = subprocess.Popen(
+                        self.command,
+                        env=_child_env(self.args, i, port, attempt),
+                        stdin=subprocess.DEVNULL,
+                        stdout=subprocess.PIPE,
+                        stderr=subprocess.STDOUT,
+                        start_new_session=True,  # its own process group, stopped as a unit
+                    )
+                except OSError as e:  # e.g. an exec format error the check could not see
+                    raise _CannotStart(
+                        f"cannot start {self.command[0]!r}: {e.strerror or e}. Expected a "
+                        "program that runs on this machine.",
+                        127 if isinstance(e, FileNotFoundError) else 126,
+                    ) from None
+                procs.append(proc)
+                pump = threading.Thread(
+                    target=_pump,
+                    args=(proc.stdout, f"[{i}] ".encode(), self.out, self.lock),
+                    daemon=True,
+                )
+                pump.start()
+                pumps.append(pump)
+            failure = self._wait(procs)
+            if failure is not None:
+                # At once, no grace period: the others cannot save a checkpoint without
+                # the failed process (a save is collective), and JAX's preemption
+                # service swallows SIGTERM in them anyway.
+                _kill(procs)
+        finally:
+            _stop(procs, self.args.grace_period)
+            for pump in pumps:
+                pump.join(timeout=5)
+        if failure is None:
+            self.log("all processes finished")
+            return 0
+        return _exit_code(failure[1])
+
+    def _wait(self, procs: list[subprocess.Popen]) -> tuple[int, int] | None:
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
+            if failed:
+                # A process killed by a signal first: its peers fail fast because of it
+                # and may already have exited by the time both are seen here.
+                i, code = min(failed, key=lambda f: (f[1] > 0, f[0]))
+                self.log(f"process {i} {_status_text(code)}; stopping the other processes")
+                return i, code
+            if all(code == 0 for code in codes):
+                return None
+            time.sleep(0.05)
+
+    def run(self) -> int:
+        code = 0
+        for attempt in range(self.args.max_restarts + 1):
+            code = self.attempt(attempt)
+            if code == 0:
+                return 0
+            if attempt < self.args.max_restarts:
+                self.log(f"restarting all processes ({attempt + 1} of {self.args.max_restarts})")
+        self.log(f"giving up after {self.args.max_restarts + 1} attempt(s); exit status {code}")
+        return code
+
+
+class _Terminated(Exception):
+    pass
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs `distrain launch` with parsed arguments (see `add_arguments`); returns the exit code."""
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    if not command:
+        sys.stderr.write(
+            "distrain launch: error: expected the program to run after '--', e.g. "
+            "`distrain launch --nproc 2 -- python train.py`. Received no command.\n"
+        )
+        return 2
+    if args.gpus_per_proc is not None and args.devices_per_proc is not None:
+        sys.stderr.write(
+            "distrain launch: error: --devices-per-proc (virtual CPU devices) and "
+            "--gpus-per-proc (GPUs) exclude each other; received both. Use --gpus-per-proc "
+            "on GPU machines, --devices-per-proc on CPUs.\n"
+        )
+        return 2
+    if args.gpus_per_proc is not None:
+        try:
+            _visible_gpus(os.environ, args.nproc * args.gpus_per_proc)
+        except ValueError as e:
+            sys.stderr.write(f"distrain launch: error: {e}\n")
+            return 2
+    try:
+        _check_program(command[0])
+    except _CannotStart as e:
+        sys.stderr.write(f"distrain launch: error: {e}\n")
+        return e.status
+    launcher = _Launcher(args, command)
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+
+        def on_term(signum: int, frame: object) -> None:
+            raise _Terminated(signum)
+
+        previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        return launcher.run()
+    except _CannotStart as e:  # the processes already started were stopped by attempt()
+        sys.stderr.write(f"distrain launch: error: {e}\n")
+        return e.status
+    except (KeyboardInterrupt, _Terminated):
+        # The processes were stopped by attempt()'s finally; report like a shell would.
+        launcher.log("interrupted; all processes stopped")
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of `distrain launch` / `python -m distrain._src.cluster.launch`.
+
+    Example:
+        >>> main(["--nproc", "2", "--", sys.executable, "-c", "print('hi')"])  # doctest: +SKIP
+        0
+    """
+    parser = argparse.ArgumentParser(
+        prog="distrain launch",
+        description="Run N processes of a program on this machine, restarting them on failure.",
+    )
+    add_arguments(parser)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Which strategy is current, and whether code runs per replica or across replicas.
+
+Mirrors ``tf.distribute``'s contexts:
+
+* outside any ``strategy.scope()`` the *default strategy* is current and code runs in
+  its (single) replica context;
+* inside ``strategy.scope()`` but outside ``strategy.run`` code runs in the
+  *cross-replica* context: ``get_replica_context()`` is ``None``;
+* inside a function passed to ``strategy.run`` code runs in a *replica context*,
+  which offers ``all_reduce`` / ``all_gather`` across the replicas.
+
+The state is thread-local, so each worker thread of the parameter-server mode has
+its own.
+"""
+
+from __future__ import annotations
+
+import enum
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+
+if TYPE_CHECKING:
+    from distrain._src.cross_device_ops import CrossDeviceOps
+    from distrain._src.strategy.base import Strategy
+
+
+class ReduceOp(enum.Enum):
+    """How values from several replicas are combined: ``SUM`` or ``MEAN``."""
+
+    SUM = "sum"
+    MEAN = "mean"
+
+    @classmethod
+    def parse(cls, op: ReduceOp | str) -> ReduceOp:
+        """Accepts a ``ReduceOp`` or its name (``"sum"``/``"mean"``, any case).
+
+        Raises:
+          ValueError: for any other value, listing the valid choices.
+        """
+        if isinstance(op, ReduceOp):
+            return op
+        if isinstance(op, str):
+            try:
+                return cls(op.lower())
+            except ValueError:
+                pass
+        raise ValueError(
+            f"Unknown reduce op: expected one of dt.ReduceOp.SUM, dt.ReduceOp.MEAN, 'sum' or "
+            f"'mean'. Received: op={op!r}."
+        )
+
+
+class _State(threading.local):
+    def __init__(self) -> None:
+        self.strategies: list[Strategy] = []
+        self.replica: ReplicaContext | None = None
+        self.accumulation: Any = None  # train/accumulation.py's record of a micro-step
+
+
+_state = _State()
+
+
+class ReplicaContext:
+    """The context of one replica inside ``strategy.run``.
+
+    Its collectives run across all replicas of the strategy. Values are pytrees.
+
+    Example:
+      >>> def step(x):
+      ...     ctx = dt.get_replica_context()
+      ...     return ctx.all_reduce("sum", x)
+    """
+
+    def __init__(
+        self,
+        strategy: Strategy,
+        axis_name: str | None,
+        cross_device_ops: CrossDeviceOps | None = None,
+    ) -> None:
+        self._strategy = strategy
+        self._axis_name = axis_name
+        self._cross_device_ops = cross_device_ops
+
+    @property
+    def strategy(self) -> Strategy:
+        return self._strategy
+
+    @property
+    def axis_name(self) -> str | None:
+        """The mesh axis the collectives run over (``None`` for the default strategy)."""
+        return self._axis_name
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def replica_id_in_sync_group(self) -> jax.Array | int:
+        """This replica's index in ``0 .. num_replicas_in_sync - 1`` (traced under ``run``)."""
+        if self._axis_name is None:
+            return 0
+        return jax.lax.axis_index(self._axis_name)
+
+    def all_reduce(self, op: ReduceOp | str, value: Any) -> Any:
+        """Sums (or averages) ``value`` over all replicas; every replica gets the result."""
+        op = ReduceOp.parse(op)
+        if self._axis_name is None:
+            return value
+        if self._cross_device_ops is None:
+            summed = jax.lax.psum(value, self._axis_name)
+        else:
+            summed = self._cross_device_ops.all_sum(value, self._axis_name)
+        if op is ReduceOp.MEAN:
+            n = self.num_replicas_in_sync
+            summed = jax.tree.map(lambda x: x / jnp.asarray(n, x.dtype), summed)
+        return summed
+
+    def all_gather(self, value: Any, axis: int = 0) -> Any:
+        """Concatenates every replica's ``value`` along ``axis``, in replica order."""
+        if self._axis_name is None:
+            return value
+        return jax.tree.map(
+            lambda x: jax.lax.all_gather(x, self._axis_name, axis=axis, tiled=True), value
+        )
+
+
+def get_strategy() -> Strategy:
+    """The strategy of the innermost ``scope()``, else the default (one replica) strategy."""
+    if _state.strategies:
+        return _state.strategies[-1]
+    from distrain._src.strategy.one_device import default_strategy
+
+    return default_strategy()
+
+
+def has_strategy() -> bool:
+    """Whether a non-default strategy's ``scope()`` is active."""
+    return bool(_state.strategies)
+
+
+def in_cross_replica_context() -> bool:
+    """True inside a strategy's scope but outside ``strategy.run``."""
+    return has_strategy() and _state.replica is None
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """The current replica context, or ``None`` in the cross-replica context.
+
+    Outside any scope this is the default strategy's single replica context.
+    """
+    if _state.replica is not None:
+        return _state.replica
+    if has_strategy():
+        return None
+    return ReplicaContext(get_strategy(), axis_name=None)
+
+
+@contextmanager
+def _enter_scope(strategy: Strategy) -> Iterator[Strategy]:
+    current = _state.strategies[-1] if _state.strategies else None
+    if current is not None and current is not strategy:
+        raise RuntimeError(
+            f"Cannot enter {type(strategy).__name__}.scope() inside the scope of another "
+            f"strategy ({type(current).__name__}). Expected at most one strategy per scope "
+            "stack; exit the outer scope first."
+        )
+    _state.strategies.append(strategy)
+    try:
+        yield strategy
+    finally:
+        _state.strategies.pop()
+
+
+@contextmanager
+def _enter_replica(ctx: ReplicaContext) -> Iterator[ReplicaContext]:
+    previous = _state.replica
+    _state.replica = ctx
+    try:
+        yield ctx
+    finally:
+        _state.replica = previous
+
+
+def require_cross_replica(strategy: Strategy, method: str) -> None:
+    """Raises if a cross-replica-only ``method`` is called inside ``strategy.run``."""
+    if _state.replica is not None and _state.replica.axis_name is not None:
+        raise RuntimeError(
+            f"`{type(strategy).__name__}.{method}` is a cross-replica method and cannot be "
+            "called inside `strategy.run`. Use `dt.get_replica_context()` (all_reduce, "
+            "all_gather) inside the replica function, or call it outside `run`."
+        )
+
+
+def get_accumulation() -> Any:
+    """The gradient-accumulation record of the micro-step being traced, or ``None``.
+
+    ``compute_average_loss`` reads it to divide by the whole update's batch, and
+    ``TrainState.apply_gradients`` to record gradients instead of applying them
+    (``distrain/train/accumulation.py``).
+    """
+    return _state.accumulation
+
+
+@contextmanager
+def _enter_accumulation(record: Any) -> Iterator[Any]:
+    previous = _state.accumulation
+    _state.accumulation = record
+    try:
+        yield record
+    finally:
+        _state.accumulation = previous

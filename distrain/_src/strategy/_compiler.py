@@ -1,0 +1,300 @@
+"""Compiles per-replica functions once and dispatches them on ``jax.jit``'s fast path.
+
+Who owns what:
+
+* ``Strategy`` (``base.py``) says *where* things live (its mesh, where state lives, how
+  batches are split) and hands ``run`` to a :class:`ReplicaCompiler` it owns;
+* :class:`ReplicaCompiler` (this module) turns ``fn`` into one ``jax.jit`` program per
+  argument *structure*, runs it, and bounds the calls in flight;
+* ``_replication.py`` decides which outputs are identical on every replica;
+* ``_cross_replica.py`` reduces and gathers the results.
+
+Steady state, ``run`` costs one C++ flatten of ``(args, kwargs)``, one dict lookup, a
+type check of the leaves and the ``jax.jit`` call. ``dt.PerReplica`` is a pytree node
+whose replica count and kind (split batch / stacked result) live in its treedef, so the
+flatten's treedef alone tells which program applies; in-specs are derived from it at
+trace time. Non-array leaves (Python numbers, strings, ...) are compile-time constants,
+as values captured by ``tf.function`` are: they key the cache by value.
+
+``shard_map(..., check_vma=False)`` keeps gradients per replica, as in
+``tf.distribute`` (with the default ``True``, ``jax.grad`` w.r.t. a broadcast input
+already sums over replicas, and an explicit all-reduce would count gradients N times).
+"""
+
+from __future__ import annotations
+
+import collections
+from collections.abc import Callable, Hashable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import PartitionSpec as P
+
+from distrain._src import context
+from distrain._src.context import ReplicaContext
+from distrain._src.strategy import _checks
+from distrain._src.strategy._replication import varying_outputs
+from distrain._src.values import PerReplica
+
+if TYPE_CHECKING:
+    from distrain._src.strategy.base import Strategy
+
+# The concrete classes of the jax.Arrays seen so far (ArrayImpl): a set of exact types
+# is the cheapest check on the hot path. Filled by the slow path, never at import (an
+# array made at import would start JAX's backends before jax.distributed can).
+_ARRAY_TYPES: set[type] = set()
+
+
+def _is_per_replica(x: Any) -> bool:
+    return isinstance(x, PerReplica)
+
+
+class _Program:
+    """One compiled replica function for one argument structure.
+
+    Attributes:
+      jitted: ``jax.jit`` of the global program; takes the array leaves in flatten order.
+      static_idx: flatten positions of compile-time constants (usually none).
+      static: their values, compared on every call.
+      n_leaves: the flatten's length.
+    """
+
+    __slots__ = ("jitted", "static_idx", "static", "n_leaves")
+
+    def __init__(self, jitted: Callable[..., Any], flat: list[Any], static_idx: tuple[int, ...]):
+        self.jitted = jitted
+        self.static_idx = static_idx
+        self.static = tuple(flat[i] for i in static_idx)
+        self.n_leaves = len(flat)
+
+    def arrays(self, flat: list[Any]) -> list[Any] | None:
+        """The program's inputs, or None when these leaves need another program."""
+        if not self.static_idx:
+            return flat if set(map(type, flat)) <= _ARRAY_TYPES else None
+        for i, s in zip(self.static_idx, self.static, strict=True):
+            x = flat[i]
+            if type(x) is not type(s) or not (x is s or x == s):
+                return None
+        static = set(self.static_idx)
+        arrays = [x for i, x in enumerate(flat) if i not in static]
+        return arrays if set(map(type, arrays)) <= _ARRAY_TYPES else None
+
+
+class ReplicaCompiler:
+    """``strategy.run``'s engine for one strategy.
+
+    Args:
+      strategy: the strategy whose mesh, axis name and cross-device ops programs use.
+      max_in_flight: ``run`` calls that may be queued before the host waits for the
+        oldest (bounded: an unbounded queue of collectives deadlocks on CPU).
+    """
+
+    def __init__(self, strategy: Strategy, max_in_flight: int = 2) -> None:
+        self._strategy = strategy
+        self._programs: dict[Hashable, _Program] = {}  # the fast path: by structure
+        self._compiled: dict[Hashable, _Program] = {}  # by structure, types and constants
+        self._in_flight: collections.deque[jax.Array] = collections.deque()
+        self._max_in_flight = max_in_flight
+        self._moves: bool | None = None  # state off the compute mesh: decided on first run
+
+    @property
+    def num_programs(self) -> int:
+        """How many programs were compiled (one per function, structure and constants)."""
+        return len(self._compiled)
+
+    def run(self, fn: Callable[..., Any], args: tuple, kwargs: dict, donate: tuple) -> Any:
+        flat, treedef = jax.tree.flatten((args, kwargs))
+        key = (fn, treedef, donate)
+        program = self._programs.get(key)
+        arrays = program.arrays(flat) if program is not None else None
+        if program is None or arrays is None:
+            program, arrays = self._lookup(key, fn, args, kwargs, flat, treedef)
+        if self._moves is None:
+            # Central storage keeps state off the compute mesh: broadcast inputs move to
+            # the mesh and replicated results back; the others place nothing per call.
+            strategy = self._strategy
+            self._moves = not strategy.state_sharding(()).is_equivalent_to(strategy._replicated, 0)
+        if self._moves:
+            arrays = self._to_compute(arrays, treedef, program)
+        while len(self._in_flight) >= self._max_in_flight:
+            self._in_flight.popleft().block_until_ready()
+        try:
+            out, done = program.jitted(*arrays)
+        except (ValueError, TypeError):
+            _checks.diagnose_per_replica(self._strategy, args, kwargs)  # the clearer error
+            raise
+        self._in_flight.append(done)
+        return self._strategy._from_compute(out) if self._moves else out
+
+    # ----------------------------------------------------------------- compile
+    def _lookup(self, key, fn, args, kwargs, flat, treedef) -> tuple[_Program, list[Any]]:
+        """The program for these leaves' types and constants (compiled on first use).
+
+        NumPy leaves become device arrays (broadcast inputs); the latest program of a
+        structure stays the fast path's.
+        """
+        for leaf in jax.tree.leaves((args, kwargs), is_leaf=_is_per_replica):
+            if isinstance(leaf, PerReplica):
+                _checks.check_per_replica(self._strategy, leaf, jax.tree.leaves(leaf.value))
+        flat = [jnp.asarray(x) if isinstance(x, np.ndarray | np.generic) else x for x in flat]
+        static_idx = tuple(i for i, x in enumerate(flat) if not isinstance(x, jax.Array))
+        _ARRAY_TYPES.update(type(x) for x in flat if isinstance(x, jax.Array))
+        static = [flat[i] for i in static_idx]
+        full_key = (key, static_idx, _checks.hashable_constants(static, fn))
+        program = self._compiled.get(full_key)
+        if program is None:
+            donated = _donated_positions(args, key[2], treedef, static_idx)
+            global_fn = self._global_fn(fn, treedef, flat, static_idx)
+            program = _Program(jax.jit(global_fn, donate_argnums=donated), flat, static_idx)
+            self._compiled[full_key] = program
+        self._programs[key] = program
+        arrays = program.arrays(flat)
+        assert arrays is not None
+        return program, arrays
+
+    def _global_fn(self, fn, treedef, flat, static_idx) -> Callable[..., Any]:
+        strategy = self._strategy
+        n, axis, mesh = strategy.num_replicas_in_sync, strategy.axis_name, strategy.mesh
+        static = {i: flat[i] for i in static_idx}
+        n_leaves = len(flat)
+
+        def with_constants(arrays: Sequence[Any]) -> list[Any]:
+            it = iter(arrays)
+            return [static[i] if i in static else next(it) for i in range(n_leaves)]
+
+        # Which leaves are split over the replicas, and which are stacked results (one
+        # row per replica), from the structure alone: PerReplica nodes in the treedef.
+        marked = treedef.unflatten(range(n_leaves))
+        kind: list[str | None] = [None] * n_leaves
+        for leaf in jax.tree.leaves(marked, is_leaf=_is_per_replica):
+            if isinstance(leaf, PerReplica):
+                for i in jax.tree.leaves(leaf.value):
+                    kind[i] = "stacked" if leaf.stacked else "split"
+        array_kinds = [k for i, k in enumerate(kind) if i not in static]
+        in_varying = [k is not None for k in array_kinds]
+
+        def per_replica(*arrays: Any) -> Any:
+            pairs = zip(arrays, array_kinds, strict=True)
+            local = [x[0] if k == "stacked" else x for x, k in pairs]
+            # Each replica sees the value of its part, not the PerReplica wrapper.
+            args, kwargs = jax.tree.map(
+                lambda x: x.value if isinstance(x, PerReplica) else x,
+                treedef.unflatten(with_constants(local)),
+                is_leaf=_is_per_replica,
+            )
+            inputs = jax.tree.leaves((args, kwargs))
+            ctx = ReplicaContext(strategy, axis, strategy.cross_device_ops)
+            with context._enter_scope(strategy), context._enter_replica(ctx):
+                out = fn(*args, **kwargs)
+            _checks.check_traced_step(fn, args, kwargs, inputs, out)
+            return out
+
+        def global_fn(*arrays: Any) -> Any:
+            local = [_local_aval(x, v, n) for x, v in zip(arrays, in_varying, strict=True)]
+            closed, out_shape = jax.make_jaxpr(
+                per_replica, axis_env=[(axis, n)], return_shape=True
+            )(*local)
+            _checks.check_captured_consts(fn, closed.consts)
+            varying = varying_outputs(closed.jaxpr, in_varying)
+            out_tree = jax.tree.structure(out_shape)
+
+            def body(*xs: Any) -> list[Any]:
+                outs = jax.core.eval_jaxpr(closed.jaxpr, closed.consts, *xs)
+                # A replicated scalar that is ready when the program is: the host waits
+                # on it to bound the calls in flight (results may be donated later).
+                done = jnp.zeros((), jnp.int8)
+                return [*(o[None] if v else o for o, v in zip(outs, varying, strict=True)), done]
+
+            *outs, done = jax.shard_map(
+                body,
+                mesh=mesh,
+                in_specs=tuple(P(axis) if v else P() for v in in_varying),
+                out_specs=[*(P(axis) if v else P() for v in varying), P()],
+                check_vma=False,
+            )(*arrays)
+            outs = [
+                PerReplica(o, n, stacked=True) if v else _place_state(strategy, o)
+                for o, v in zip(outs, varying, strict=True)
+            ]
+            return jax.tree.unflatten(out_tree, outs), done
+
+        global_fn.__name__ = f"replica_{_checks.fn_name(fn)}"
+        return global_fn
+
+    def _to_compute(self, arrays: list[Any], treedef: Any, program: _Program) -> list[Any]:
+        """Broadcast inputs to the compute devices (central storage)."""
+        marked = treedef.unflatten(range(program.n_leaves))
+        split = {
+            i
+            for leaf in jax.tree.leaves(marked, is_leaf=_is_per_replica)
+            if isinstance(leaf, PerReplica)
+            for i in jax.tree.leaves(leaf.value)
+        }
+        static = set(program.static_idx)
+        positions = [i for i in range(program.n_leaves) if i not in static]
+        return [
+            x if i in split else self._strategy._to_compute(x)
+            for i, x in zip(positions, arrays, strict=True)
+        ]
+
+
+def _place_state(strategy: Strategy, x: jax.Array) -> jax.Array:
+    """A replicated result laid out as the strategy keeps state of its shape.
+
+    A sharded layout on the mesh (one slice per replica) costs no communication: every
+    replica holds the whole value and keeps its slice. Layouts off the mesh (central
+    storage) are applied after the call.
+    """
+    target = strategy.state_sharding(x.shape)
+    if target is strategy._replicated or not isinstance(target, jax.sharding.NamedSharding):
+        return x
+    if target.is_fully_replicated or target.device_set != strategy._replicated.device_set:
+        return x  # off the compute devices (central storage): placed after the call
+    return jax.lax.with_sharding_constraint(x, target)
+
+
+def _donated_positions(
+    args: tuple, donate: tuple[int, ...], treedef: Any, static_idx: tuple[int, ...]
+) -> tuple[int, ...]:
+    """Indices (among the program's array inputs) of the donated arguments' leaves.
+
+    Per-replica leaves are never donated: jax 0.11.2 crashed (SIGSEGV, 8 CPU devices)
+    when a stacked per-replica state was donated back into the next step.
+    """
+    if not donate:
+        return ()
+    bad = [a for a in donate if isinstance(a, bool) or not isinstance(a, int)]
+    if bad or not all(0 <= a < len(args) for a in donate):
+        raise ValueError(
+            f"`donate_argnums` must be indices of the {len(args)} positional args. "
+            f"Received: {donate!r}."
+        )
+    n_leaves = treedef.num_leaves
+    marked_args, _ = treedef.unflatten(range(n_leaves))
+    per_replica = {
+        i
+        for leaf in jax.tree.leaves(marked_args, is_leaf=_is_per_replica)
+        if isinstance(leaf, PerReplica)
+        for i in jax.tree.leaves(leaf.value)
+    }
+    static = set(static_idx)
+    position: dict[int, int] = {}
+    for i in range(n_leaves):
+        if i not in static:
+            position[i] = len(position)
+    chosen = {
+        i
+        for a in donate
+        for i in jax.tree.leaves(marked_args[a])
+        if i not in per_replica and i not in static
+    }
+    return tuple(sorted(position[i] for i in chosen))
+
+
+def _local_aval(x: Any, varying: bool, n: int) -> jax.ShapeDtypeStruct:
+    shape = tuple(x.shape)
+    if varying:
+        shape = (shape[0] // n, *shape[1:])
+    return jax.ShapeDtypeStruct(shape, x.dtype, weak_type=getattr(x, "weak_type", False))

@@ -1,0 +1,48 @@
+"""``MirroredStrategy``: one replica per device, state mirrored, gradients all-reduced."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import jax
+
+from distrain._src.cross_device_ops import CrossDeviceOps
+from distrain._src.strategy.base import Strategy
+from distrain._src.strategy.devices import DeviceSpec, parse_devices
+from distrain._src.strategy.sharded import DEFAULT_MIN_SHARD_BYTES
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous data parallelism over the devices of this process.
+
+    Args:
+      devices: devices to use, as ``jax.Device``s, ids or strings like ``"cpu:1"``;
+        default: all local devices.
+      cross_device_ops: how gradients are summed: ``dt.AllReduce()`` (default),
+        ``dt.HierarchicalCopyAllReduce(num_packs)`` or ``dt.ReductionToOneDevice()``.
+      shard_state: keep ``1/N`` of each large state leaf per device between steps
+        (FSDP / ZeRO-3 storage; ``docs/scaling.md``). Results are the same.
+        ``"process"`` is the same here (one process); it matters for
+        ``MultiWorkerMirroredStrategy``.
+      min_shard_bytes: with ``shard_state``, leaves below this size stay replicated.
+
+    Example:
+      >>> strategy = dt.MirroredStrategy()            # all local devices
+      >>> strategy = dt.MirroredStrategy(["cpu:0", "cpu:1"])
+      >>> strategy = dt.MirroredStrategy(shard_state=True)
+    """
+
+    def __init__(
+        self,
+        devices: Sequence[DeviceSpec] | None = None,
+        cross_device_ops: CrossDeviceOps | None = None,
+        *,
+        shard_state: bool | Literal["process"] = False,
+        min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
+    ) -> None:
+        super().__init__(parse_devices(devices), cross_device_ops)
+        self._set_shard_state(shard_state, min_shard_bytes)
+
+    def state_sharding(self, shape: tuple[int, ...]) -> jax.sharding.Sharding:
+        return self._data_parallel_sharding(shape)

@@ -1,0 +1,1 @@
+"""Training: state, Trainer, callbacks, metrics (public through ``distrain``)."""

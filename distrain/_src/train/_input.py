@@ -1,0 +1,125 @@
+"""Device-resident input for ``Trainer.fit``: in-memory data placed once, batches gathered
+inside the compiled step.
+
+On an accelerator the host cannot keep up with a fast step: gathering a shuffled
+batch of NumPy rows and copying it to the devices costs several times the step of a
+small model (measured on one H100: 0.13-0.37x of pre-staged data). When ``fit`` gets
+a ``dt.data.ArrayPipeline`` whose arrays fit in device memory, it instead
+
+* places the arrays on every device once (``strategy.put_replicated``);
+* iterates a twin ``ArrayPipeline`` over the row *numbers* (same seed, batch size,
+  shuffling, padding, passes and process slices, so the same permutation of
+  ``(seed, epoch)``), which sends only ``int32`` row ids per step;
+* gathers the rows inside the step's compiled program, padded rows zeroed as the host
+  pipeline pads them.
+
+The batches the ``train_step`` sees are the host pipeline's, value for value, and the
+input position in checkpoints is the same ``{"step", "pass", ...}`` state: a run can
+resume in either mode. ``Trainer(input_mode=...)`` chooses: ``"auto"`` (device when the
+arrays take at most a quarter of a device's memory), ``"device"`` or ``"host"``; the
+choice is ``trainer.input_mode`` after ``fit`` starts.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+if TYPE_CHECKING:
+    from distrain._src.data.pipeline import ArrayPipeline
+
+MODES = ("auto", "device", "host")
+_ROW = "row"
+_BUDGET_FRACTION = 0.25
+
+
+def check_mode(mode: Any) -> str:
+    if mode not in MODES:
+        raise ValueError(f"`input_mode` must be one of {MODES}. Received: {mode!r}.")
+    return mode
+
+
+class Resident:
+    """The arrays of an ``ArrayPipeline`` on the devices, and how to gather batches."""
+
+    def __init__(self, strategy: Any, pipeline: ArrayPipeline) -> None:
+        self.pipeline = pipeline
+        self.arrays = strategy.put_replicated(list(pipeline._leaves))
+        self.mask_key = pipeline.mask_key
+
+    def index_pipeline(self) -> ArrayPipeline:
+        """The twin pipeline over row numbers: same batches, as row ids."""
+        from distrain._src.data.pipeline import ArrayPipeline
+
+        p = self.pipeline
+        rows = np.arange(p.num_examples, dtype=np.int32)
+        return ArrayPipeline(
+            {_ROW: rows},
+            global_batch_size=p.global_batch_size,
+            seed=p.seed,
+            shuffle=p.shuffle,
+            reshuffle_each_epoch=p.reshuffle_each_epoch,
+            num_epochs=p.num_epochs,
+            drop_remainder=p.drop_remainder,
+            mask_key=p.mask_key,
+            process_index=p.process_index,
+            process_count=p.process_count,
+        )
+
+    def batch(self, rows: Any) -> tuple[Any, Any]:
+        """What the step receives per batch: the device arrays and this step's row ids."""
+        return (self.arrays, rows)
+
+    def gathering(self, train_step: Callable[..., Any]) -> Callable[..., Any]:
+        """``train_step`` fed the rows that a ``(arrays, row ids)`` batch names."""
+        pipeline, mask_key = self.pipeline, self.mask_key
+
+        def step(state: Any, batch: Any) -> Any:
+            arrays, ids = batch
+            leaves = [jnp.take(a, ids[_ROW], axis=0) for a in arrays]
+            mask = None
+            if mask_key is not None:
+                mask = ids[mask_key]
+                real = mask > 0
+                leaves = [
+                    jnp.where(real.reshape(real.shape + (1,) * (x.ndim - 1)), x, 0)
+                    for x in leaves
+                ]
+            return train_step(state, pipeline._unflatten(leaves, mask))
+
+        step.__name__ = f"gather_{getattr(train_step, '__name__', 'step')}"
+        return step
+
+
+def choose(strategy: Any, data: Any, mode: str) -> tuple[str, Resident | None]:
+    """Which input mode ``fit`` uses for ``data``, and the placed arrays for ``"device"``."""
+    pipeline_module = sys.modules.get("distrain._src.data.pipeline")  # not imported: no pipeline
+    if mode == "host" or pipeline_module is None:
+        return "host", None
+    if not isinstance(data, pipeline_module.ArrayPipeline):
+        return "host", None
+    nbytes = sum(leaf.nbytes for leaf in data._leaves)
+    if mode == "auto" and nbytes > _BUDGET_FRACTION * device_memory_bytes(strategy):
+        return "host", None
+    return "device", Resident(strategy, data)
+
+
+def device_memory_bytes(strategy: Any) -> int:
+    """Memory of one of the strategy's devices: its allocator's limit, or for CPU
+    devices (which share the host's memory) the host's memory divided among them."""
+    device = next(d for d in strategy.devices if d.process_index == jax.process_index())
+    stats = None
+    try:
+        stats = device.memory_stats()
+    except Exception:  # noqa: BLE001 - backends without memory statistics
+        stats = None
+    if stats and stats.get("bytes_limit"):
+        return int(stats["bytes_limit"])
+    host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return host // max(1, len(jax.local_devices()))

@@ -1,0 +1,364 @@
+"""Checkpoint callbacks: ``ModelCheckpoint`` (keep checkpoints) and ``BackupAndRestore``
+(resume a run exactly after any failure).
+
+Both save, as one atomic orbax step (``dt.CheckpointManager``), the train state, the
+training input's position and the Trainer's progress (epoch, step, history and the
+metric sums of the unfinished epoch). A run restored from such a checkpoint draws the
+same batches and reaches bit-identical parameters on the same devices.
+
+Both act on every process (saving is collective with several processes), never save a
+state that holds NaN or infinity (the last good checkpoint stays the newest), and
+check at ``fit`` start that their directory can be written.
+
+Example:
+  >>> callbacks = [dt.callbacks.BackupAndRestore("/tmp/backup", save_freq=100)]
+  >>> state, history = trainer.fit(state, data, epochs=10, callbacks=callbacks)
+  >>> # Killed at any point? Run the same command again: it continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import threading
+import warnings
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from distrain._src.train.callbacks.base import Callback, Logs, StepInfo, ensure_writable_dir
+
+
+def _check_freq(save_freq: Any, who: str) -> int | str:
+    if save_freq == "epoch":
+        return "epoch"
+    if isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1:
+        raise ValueError(
+            f"{who} save_freq must be 'epoch' or a positive number of steps. "
+            f"Received: save_freq={save_freq!r}."
+        )
+    return save_freq
+
+
+@jax.jit
+def _all_finite(leaves: list[jax.Array]) -> jax.Array:
+    ok = jnp.bool_(True)
+    for x in leaves:
+        ok = ok & jnp.all(jnp.isfinite(x))
+    return ok
+
+
+def state_is_finite(state: Any) -> bool:
+    """Whether every floating-point leaf of ``state`` is free of NaN and infinity."""
+    from distrain._src.values import PerReplica
+
+    leaves = [
+        x.value if isinstance(x, PerReplica) else x
+        for x in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, PerReplica))
+    ]
+    leaves = [
+        x
+        for x in jax.tree.leaves(leaves)
+        if hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+    ]
+    return bool(np.asarray(_all_finite(leaves))) if leaves else True
+
+
+class _Saver(Callback):
+    """What both checkpoint callbacks share: a manager, step/epoch save triggers."""
+
+    _who = "checkpoint"
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        save_freq: int | str,
+        max_to_keep: int | None,
+        async_save: bool,
+    ) -> None:
+        from distrain._src.checkpoint.manager import check_directory_arg
+
+        self.directory = check_directory_arg(directory, type(self).__name__)
+        self.save_freq = _check_freq(save_freq, type(self).__name__)
+        self.max_to_keep = max_to_keep
+        self.async_save = async_save
+        self.manager: Any = None
+        self.last_saved_step: int | None = None
+        self._offset: int | None = None  # checkpoint number - trainer step, fixed per fit
+
+    def _open(self) -> None:
+        from distrain._src.checkpoint.manager import CheckpointManager
+
+        ensure_writable_dir(self.directory, f"{type(self).__name__} checkpoint")
+        self.manager = CheckpointManager(
+            self.directory, max_to_keep=self.max_to_keep, async_save=self.async_save
+        )
+        self._offset = None
+
+    def checkpoint_step(self) -> int:
+        """The number the current state is saved under.
+
+        The trainer's step, unless the directory already holds newer checkpoints
+        than the step this ``fit`` started from (a second ``fit`` of a restored model,
+        Keras' make-or-restore pattern, starts counting at 0 again): then the
+        numbering continues after the newest checkpoint, so every save is written and
+        the newest checkpoint is always the newest state.
+        """
+        t = self._fit_trainer
+        if self._offset is None:  # decided at the first save, after any resume
+            latest = self.manager.latest_step()
+            self._offset = 0 if latest is None else max(0, latest - t.initial_step)
+        return t.global_step + self._offset
+
+    def _save(self) -> bool:
+        """Saves the trainer's state and position now (all processes call it together)."""
+        t = self.trainer
+        if t is None or self.manager is None:
+            return False
+        if not state_is_finite(t.state):
+            warnings.warn(
+                f"{type(self).__name__}: not saving step {t.global_step} because the state "
+                f"holds NaN or infinity; the newest checkpoint in {self.directory} stays "
+                f"step {self.manager.latest_step()}.",
+                stacklevel=2,
+            )
+            return False
+        step = self.checkpoint_step()
+        saved = self.manager.save(
+            step,
+            t.state_snapshot(),  # the async write must not read buffers the next step donates
+            data_state=t.data_state(),
+            metadata={"progress": t.progress()},
+            force=True,
+        )
+        if saved:
+            self.last_saved_step = step
+        return bool(saved)
+
+    def _crossed(self, info: StepInfo) -> bool:
+        f = self.save_freq
+        return isinstance(f, int) and info.step // f > (info.step - info.num_steps) // f
+
+    def _finish(self) -> None:
+        if self.manager is not None:
+            self.manager.wait_until_finished()
+            self.manager.close()
+            self.manager = None
+
+    def on_train_abort(self, error: BaseException) -> None:
+        # Let a save in progress complete: it is the last good checkpoint.
+        self._finish()
+
+
+class ModelCheckpoint(_Saver):
+    """Saves checkpoints during ``fit`` (like ``keras.callbacks.ModelCheckpoint``).
+
+    Restore one with ``dt.CheckpointManager(directory).restore(target=state)``; its
+    ``metadata["progress"]`` holds the epoch, step and history.
+
+    Checkpoints are numbered by the trainer's step. When ``directory`` already holds
+    newer ones (a second ``fit`` of a restored model starts counting at 0 again, as in
+    Keras' make-or-restore pattern), the numbering continues after the newest
+    checkpoint, so every save is written and the newest checkpoint is the newest state.
+
+    Args:
+      directory: the checkpoint directory (one subdirectory per step).
+      save_freq: ``"epoch"`` or a number of steps.
+      max_to_keep: newest checkpoints kept (``None``: all).
+      monitor: with ``save_best_only``, the epoch metric to compare (e.g. ``"val_loss"``).
+      mode: ``"min"``, ``"max"`` or ``"auto"`` (``max`` for accuracy-like names).
+      save_best_only: save an epoch only if ``monitor`` improved.
+      async_save: write in the background (the loop continues meanwhile).
+
+    Raises:
+      ValueError: bad ``save_freq``/``mode``, or ``save_best_only`` without ``monitor``
+        or with a step ``save_freq``.
+      OSError: at ``fit`` start, if ``directory`` cannot be written.
+    """
+
+    def __init__(
+        self,
+        directory: str | os.PathLike[str],
+        *,
+        save_freq: int | str = "epoch",
+        max_to_keep: int | None = 3,
+        monitor: str | None = None,
+        mode: str = "auto",
+        save_best_only: bool = False,
+        async_save: bool = True,
+    ) -> None:
+        super().__init__(directory, save_freq, max_to_keep, async_save)
+        if mode not in ("auto", "min", "max"):
+            raise ValueError(
+                f"ModelCheckpoint mode must be 'auto', 'min' or 'max'. Received: {mode!r}."
+            )
+        if save_best_only and (monitor is None or self.save_freq != "epoch"):
+            raise ValueError(
+                "ModelCheckpoint(save_best_only=True) compares an epoch metric: it needs "
+                f"monitor=<metric> and save_freq='epoch'. Received: monitor={monitor!r}, "
+                f"save_freq={self.save_freq!r}."
+            )
+        if mode == "auto":
+            mode = "max" if monitor and any(k in monitor for k in ("acc", "auc")) else "min"
+        self.monitor, self.mode, self.save_best_only = monitor, mode, save_best_only
+        self.best: float | None = None
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self._open()
+        self.best = None
+
+    def on_train_batch_end(self, info: StepInfo) -> None:
+        if self._crossed(info):
+            self._save()
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if self.save_freq != "epoch":
+            return
+        if self.save_best_only and self.monitor is not None:  # set: checked in __init__
+            value = (logs or {}).get(self.monitor)
+            if value is None or np.isnan(value):
+                return
+            better = self.best is None or (
+                value < self.best if self.mode == "min" else value > self.best
+            )
+            if not better:
+                return
+            self.best = float(value)
+        self._save()
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        self._finish()
+
+
+class BackupAndRestore(_Saver):
+    """Backs up the run and, at the start of ``fit``, resumes from the latest backup.
+
+    Unlike TensorFlow's, the resumed run does not redo the unfinished epoch: the input
+    position, the step inside the epoch and the epoch's metric sums are restored, so
+    the run continues with the next batch and ends with bit-identical parameters (on
+    the same devices; see ``docs/fault_tolerance.md``).
+
+    On SIGTERM (preemption) it finishes the current step, saves, and exits with
+    ``dt.checkpoint.PREEMPTION_EXIT_CODE`` (143); run the same command to continue. If the
+    state holds NaN or infinity then, nothing is saved and ``fit`` raises
+    ``FloatingPointError`` (exit status 1) instead.
+
+    For Keras' make-or-restore pattern (each run trains more, starting from the last
+    model) use ``ModelCheckpoint`` and restore its newest checkpoint before ``fit``.
+
+    Args:
+      backup_dir: where backups live; give each run its own.
+      save_freq: ``"epoch"`` or a number of steps between backups.
+      max_to_keep: backups kept (at least 2, so a damaged newest one has a fallback).
+      delete_checkpoint: delete ``backup_dir`` (backups and any damaged step set aside
+        in it) when ``fit`` completes with a finite state, as Keras does, so the next run
+        of the command starts afresh. With False, the finished state is backed up too:
+        running the same ``fit`` again restores it and trains nothing more (a larger
+        ``epochs`` continues from it). A state holding NaN or infinity at the end never
+        deletes the backups: the newest is the last good state.
+      async_save: write in the background.
+      handle_preemption: install the SIGTERM handler (main thread only).
+
+    Raises:
+      ValueError: bad ``save_freq``; at ``fit`` start, a backup from a different model
+        (the message names the first mismatching leaf and both shapes).
+      OSError: at ``fit`` start, if ``backup_dir`` cannot be written.
+    """
+
+    def __init__(
+        self,
+        backup_dir: str | os.PathLike[str],
+        *,
+        save_freq: int | str = "epoch",
+        max_to_keep: int = 2,
+        delete_checkpoint: bool = True,
+        async_save: bool = True,
+        handle_preemption: bool = True,
+    ) -> None:
+        super().__init__(backup_dir, save_freq, max_to_keep, async_save)
+        self.delete_checkpoint = delete_checkpoint
+        self.handle_preemption = handle_preemption
+        self.restored_step: int | None = None
+        self._preemption: Any = None
+        self._calls = 0
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        self._open()
+        self.restored_step = None
+        self._calls = 0
+        t = self._fit_trainer
+        restored = self.manager.restore(target=t.state)
+        if restored is not None:
+            progress = (restored.metadata or {}).get("progress")
+            if progress is None:
+                raise ValueError(
+                    f"The checkpoint at step {restored.step} in {self.directory} was not "
+                    "written by BackupAndRestore (it has no trainer progress). Use an empty "
+                    "backup_dir for each run."
+                )
+            t.resume(restored.state, progress, restored.data_state)
+            self.restored_step = restored.step
+        if self.handle_preemption and threading.current_thread() is threading.main_thread():
+            from distrain._src.checkpoint.preemption import PreemptionHandler
+
+            self._preemption = PreemptionHandler()
+
+    def on_train_batch_end(self, info: StepInfo) -> None:
+        self._calls += 1
+        if self._preemption is not None and self._preemption.should_stop(self._calls):
+            finite = state_is_finite(self._fit_trainer.state)
+            self._save()
+            latest = self.manager.latest_step()
+            self._finish()
+            if not finite:
+                # 143 means "saved, run again to continue": not true here.
+                self._close_preemption()
+                raise FloatingPointError(
+                    f"BackupAndRestore: preempted at step {self._fit_trainer.global_step}, but the "
+                    "state holds NaN or infinity, so it was not saved; the newest backup in "
+                    f"{self.directory} is step {latest}, the last good state. Fix the cause "
+                    "(e.g. lower the learning rate) before resuming from it."
+                )
+            self._close_preemption(exit_after=True)
+        if self._crossed(info):
+            self._save()
+
+    def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if self.save_freq == "epoch":
+            self._save()
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        t = self.trainer
+        finite = t is None or state_is_finite(t.state)
+        if finite and not self.delete_checkpoint:
+            # Back up the finished state: running the same fit again restores it and
+            # has nothing left to train, instead of redoing the steps after the last save.
+            self._save()
+        latest = self.manager.latest_step() if self.manager is not None else None
+        self._finish()
+        self._close_preemption()
+        if not finite:
+            warnings.warn(
+                f"BackupAndRestore: fit ended with NaN or infinity in the state, so the "
+                f"backups in {self.directory} are kept (not deleted): the newest, step "
+                f"{latest}, is the last good state. Fix the cause (e.g. lower the learning "
+                "rate) and resume from it, or use TerminateOnNaN to stop at the first NaN.",
+                stacklevel=2,
+            )
+            return
+        if self.delete_checkpoint and t is not None and t.is_chief:
+            shutil.rmtree(self.directory, ignore_errors=True)
+
+    def on_train_abort(self, error: BaseException) -> None:
+        super().on_train_abort(error)
+        self._close_preemption()
+
+    def _close_preemption(self, exit_after: bool = False) -> None:
+        handler, self._preemption = self._preemption, None
+        if handler is None:
+            return
+        handler.close()
+        if exit_after:
+            handler.exit()

@@ -1,0 +1,373 @@
+"""Build and run a training run from a :class:`~distrain._src.train.config.RunConfig`.
+
+This is what ``distrain train --config FILE`` does: make the strategy, the model and
+its ``TrainState``, the data pipelines, the steps and the callbacks the config names;
+``fit``; then evaluate on the test split and report.
+
+Example:
+  >>> from distrain.config import load_config
+  >>> result = run_config(load_config("configs/quickstart.yaml", ["train.epochs=1"]))
+  >>> result.test_metrics["accuracy"]
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import importlib
+import inspect
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from distrain._src.padding import MASK_KEY
+from distrain._src.train.config import ConfigError, RunConfig, StrategyConfig
+
+__all__ = ["RunResult", "build_strategy", "resolve_callable", "run_config"]
+
+
+@dataclasses.dataclass
+class RunResult:
+    """What a run produced: the final state, the history, test metrics and wall time."""
+
+    state: Any
+    history: Any
+    test_metrics: dict[str, float] | None
+    seconds: float
+
+
+def resolve_callable(path: str, field: str) -> Callable[..., Any]:
+    """Imports ``package.module:function`` (or ``package.module.function``).
+
+    Raises:
+      ConfigError: naming ``field``, if the module or attribute is missing (with the
+        closest attribute name) or the object is not callable.
+    """
+    if ":" in path:
+        module_name, _, attr = path.partition(":")
+    else:
+        module_name, _, attr = path.rpartition(".")
+    if not module_name or not attr:
+        raise ConfigError(
+            f"Config field {field!r} must be an import path 'package.module:function'. "
+            f"Received: {path!r}."
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ConfigError(
+            f"Config field {field!r}: cannot import module {module_name!r} ({e}). Is the "
+            "package installed or on PYTHONPATH (run from the directory that contains it)?"
+        ) from e
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            names = [n for n in dir(obj) if not n.startswith("_")]
+            close = difflib.get_close_matches(part, names, n=1)
+            hint = f" Did you mean {module_name}:{close[0]}?" if close else ""
+            raise ConfigError(
+                f"Config field {field!r}: module {module_name!r} has no attribute {part!r}.{hint}"
+            )
+        obj = getattr(obj, part)
+    if not callable(obj):
+        raise ConfigError(f"Config field {field!r}: {path!r} is not callable ({obj!r}).")
+    return obj
+
+
+def _check_call(fn: Callable[..., Any], section: str, path: str, *args: Any, **kwargs: Any) -> None:
+    """Raises ConfigError if ``fn`` cannot take these arguments (before calling it)."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return  # builtins without a signature: let the call itself report
+    try:
+        sig.bind(*args, **kwargs)
+    except TypeError as e:
+        given = ["state", "batch"][: len(args)] + sorted(kwargs)
+        raise ConfigError(
+            f"Config section {section!r}: {path} cannot be called with ({', '.join(given)}): "
+            f"{e}. Its signature: {path.rpartition(':')[2]}{sig}."
+        ) from e
+
+
+def build_strategy(cfg: StrategyConfig) -> Any:
+    """The strategy a config names (created first: multi-worker joins the cluster here)."""
+    import distrain as dt
+
+    if cfg.name == "mirrored":
+        return dt.MirroredStrategy(cfg.devices, shard_state=cfg.shard_state)
+    if cfg.name == "one_device":
+        return dt.OneDeviceStrategy(cfg.devices[0] if cfg.devices else jax.devices()[0])
+    if cfg.name == "default":
+        return dt.get_strategy()
+    if cfg.name == "multi_worker_mirrored":
+        return dt.MultiWorkerMirroredStrategy(shard_state=cfg.shard_state)
+    return dt.experimental.CentralStorageStrategy(compute_devices=cfg.devices)
+
+
+def _optimizer(name: str, learning_rate: float, kwargs: Mapping[str, Any]) -> Any:
+    import optax
+
+    fn = getattr(optax, name, None)
+    if not callable(fn):
+        names = [n for n in dir(optax) if not n.startswith("_") and n.islower()]
+        close = difflib.get_close_matches(name, names, n=1)
+        hint = f" Did you mean {close[0]!r}?" if close else ""
+        raise ConfigError(
+            f"Config field 'optimizer.name': optax has no optimizer {name!r}.{hint} "
+            "Examples: adam, adamw, sgd, rmsprop."
+        )
+    try:
+        return fn(learning_rate, **kwargs)
+    except TypeError as e:
+        raise ConfigError(f"Config section 'optimizer': optax.{name}(...) failed: {e}.") from e
+
+
+def _check_divisible(field: str, batch: int, num_replicas: int) -> None:
+    """A config batch size must split evenly over the replicas (each gets an equal share)."""
+    if batch % num_replicas:
+        lo, hi = batch // num_replicas * num_replicas, (batch // num_replicas + 1) * num_replicas
+        use = f"{lo} or {hi}" if lo else f"{hi}"
+        raise ConfigError(
+            f"Config field {field!r}: {field} ({batch}) must be divisible by the number of "
+            f"replicas ({num_replicas}): every replica gets an equal share of each "
+            f"batch. Use {use} (a multiple of {num_replicas}), or choose the devices with "
+            "strategy.devices=[...]."
+        )
+
+
+def _pipelines(cfg: RunConfig, splits: Any, num_replicas: int) -> dict[str, Iterable[Any]]:
+    from distrain._src.data.pipeline import ArrayPipeline
+
+    if not isinstance(splits, Mapping) or "train" not in splits:
+        got = sorted(splits) if isinstance(splits, Mapping) else type(splits).__name__
+        raise ConfigError(
+            f"Config field 'data.fn' must return a dict with a 'train' split (and usually "
+            f"'test'). {cfg.data.fn} returned: {got}."
+        )
+    out: dict[str, Iterable[Any]] = {}
+    eval_batch = cfg.data.eval_batch_size or cfg.data.global_batch_size
+    eval_field = "data.eval_batch_size" if cfg.data.eval_batch_size else "data.global_batch_size"
+    for name, split in splits.items():
+        if not isinstance(split, Mapping):
+            out[name] = split  # already an iterable of global batches
+            continue
+        field, batch = ("data.global_batch_size", cfg.data.global_batch_size)
+        if name != "train":
+            field, batch = eval_field, eval_batch
+        _check_divisible(field, batch, num_replicas)
+        try:
+            if name == "train":
+                out[name] = ArrayPipeline(
+                    dict(split),
+                    global_batch_size=batch,
+                    seed=cfg.seed,
+                    shuffle=cfg.data.shuffle,
+                    num_epochs=None,
+                    drop_remainder=True,
+                )
+            else:
+                out[name] = ArrayPipeline(
+                    dict(split),
+                    global_batch_size=batch,
+                    shuffle=False,
+                    num_epochs=1,
+                    drop_remainder=False,
+                    mask_key=MASK_KEY,
+                )
+        except ValueError as e:
+            raise ConfigError(
+                f"Config section 'data': the {name!r} split of {cfg.data.fn} with "
+                f"{field}={batch}: {e}"
+            ) from e
+    return out
+
+
+def _load_data(cfg: RunConfig, data_fn: Callable[..., Any]) -> Any:
+    """Calls ``data.fn``; an MNIST that cannot be downloaded becomes a ConfigError that
+    says what a config user can do (the library's hint, ``base_url=``, is not a field)."""
+    from distrain._src.data.datasets import DEFAULT_MNIST_URL, MNISTDownloadError
+
+    try:
+        return data_fn(**cfg.data.kwargs)
+    except MNISTDownloadError as e:
+        try:
+            params: Mapping[str, Any] = inspect.signature(data_fn).parameters
+        except (TypeError, ValueError):
+            params = {}
+        where = "the DISTRAIN_DATA_DIR environment variable sets the parent directory"
+        if "cache_dir" in params:
+            where += ", data.kwargs.cache_dir=DIR another one"
+        mirror = "set DISTRAIN_MNIST_URL to a reachable mirror"
+        if "base_url" in params:
+            mirror += " (or data.kwargs.base_url=URL)"
+        raise ConfigError(
+            f"Config field 'data.fn' ({cfg.data.fn}): MNIST is not in {e.cache_dir}/ and "
+            f"{e.url} cannot be downloaded ({e.reason}). Offline: copy {', '.join(e.missing)} "
+            f"from {DEFAULT_MNIST_URL} (or another MNIST mirror) into {e.cache_dir}/ ({where}); "
+            f"or {mirror}. configs/quickstart.yaml trains on bundled digits with no download."
+        ) from e
+
+
+def _callbacks(cfg: RunConfig, progress_bar: bool) -> list[Any]:
+    from distrain import callbacks as cb
+
+    out: list[Any] = []
+    if cfg.logging.progress_bar and progress_bar:
+        out.append(cb.ProgressBar())
+    log_dir = cfg.logging.dir
+    wants_files = cfg.logging.tensorboard or cfg.logging.csv or cfg.logging.jsonl
+    if wants_files:
+        if log_dir is None:
+            raise ConfigError(
+                "logging.tensorboard/csv/jsonl need a directory: set logging.dir (e.g. runs/NAME)."
+            )
+        if cfg.logging.tensorboard:
+            out.append(cb.TensorBoard(log_dir))
+        if cfg.logging.csv:
+            out.append(cb.CSVLogger(os.path.join(log_dir, "epochs.csv")))
+        if cfg.logging.jsonl:
+            out.append(cb.JSONLinesLogger(os.path.join(log_dir, "metrics.jsonl")))
+    ck = cfg.checkpoint
+    if ck.backup_dir is not None:
+        out.append(cb.BackupAndRestore(ck.backup_dir, save_freq=ck.backup_freq))
+    if ck.dir is not None:
+        out.append(cb.ModelCheckpoint(ck.dir, save_freq=ck.save_freq, max_to_keep=ck.max_to_keep))
+    return out
+
+
+def _split_model(model: Any) -> tuple[Callable[[Any, jax.Array], jax.Array], Any]:
+    """``(apply_fn, params)`` from an ``nnx.Module`` or an ``(apply_fn, params)`` pair.
+
+    ``params`` is a plain nested dict of arrays (``nnx.to_pure_dict``), which
+    checkpoints and restores without any flax types.
+
+    Raises:
+      TypeError: for anything else, saying what a model function must return.
+    """
+    from flax import nnx
+
+    if isinstance(model, nnx.Module):
+        graphdef, state = nnx.split(model)
+        return (lambda params, x: nnx.merge(graphdef, params)(x)), nnx.to_pure_dict(state)
+    if isinstance(model, tuple) and len(model) == 2 and callable(model[0]):
+        return model[0], model[1]
+    raise TypeError(
+        "A model function must return a flax.nnx.Module or a tuple (apply_fn, params) with "
+        f"apply_fn(params, x) -> outputs. Received: {type(model).__name__}."
+    )
+
+
+def _init_model(
+    model_fn: Callable[..., Any], key: jax.Array, **kwargs: Any
+) -> tuple[Callable[[Any, jax.Array], jax.Array], Any]:
+    """``_split_model(model_fn(key=key, **kwargs))``, initialised in one compiled call.
+
+    Building a model eagerly compiles every initializer separately (dozens of small
+    XLA programs); tracing the whole construction once is much faster to start.
+    """
+    found: dict[str, Any] = {}
+
+    def init(k: jax.Array) -> Any:
+        found["apply_fn"], params = _split_model(model_fn(key=k, **kwargs))
+        return params
+
+    params = jax.jit(init)(key)
+    return found["apply_fn"], params
+
+
+def run_config(
+    cfg: RunConfig,
+    *,
+    callbacks: Sequence[Any] = (),
+    progress_bar: bool = True,
+    print_fn: Callable[[str], None] | None = print,
+) -> RunResult:
+    """Trains as ``cfg`` says, then evaluates on the ``test`` split (if any).
+
+    Args:
+      cfg: the run config.
+      callbacks: extra callbacks (after the configured ones).
+      progress_bar: allow the config's progress bar (tests turn it off).
+      print_fn: where the summary lines go (``None``: silent). Only the chief prints.
+
+    Raises:
+      ConfigError: a name in the config that cannot be imported or used, a batch size
+        that does not divide over the replicas, data that cannot be loaded (MNIST
+        offline).
+    """
+    from distrain._src.train.state import TrainState
+    from distrain._src.train.trainer import Trainer
+
+    start = time.perf_counter()
+    strategy = build_strategy(cfg.strategy)
+    chief = getattr(strategy, "is_chief", jax.process_index() == 0)
+    say = print_fn if (print_fn is not None and chief) else (lambda _msg: None)
+    say(f"distrain train: {cfg.name} on {strategy!r} ({jax.devices()[0].platform})")
+
+    model_fn = resolve_callable(cfg.model.fn, "model.fn")
+    key = jax.random.key(cfg.seed)
+    _check_call(model_fn, "model", cfg.model.fn, key=key, **cfg.model.kwargs)
+    try:
+        apply_fn, params = _init_model(model_fn, key, **cfg.model.kwargs)
+    except TypeError as e:
+        raise ConfigError(f"Config field 'model.fn': {e}") from e
+    tx = _optimizer(cfg.optimizer.name, cfg.optimizer.learning_rate, cfg.optimizer.kwargs)
+    # One compiled call instead of one small program per optimizer-state leaf. The RNG
+    # is a raw uint32[2] key: typed key arrays cannot yet be placed across processes.
+    policy = cfg.train.policy
+    state = jax.jit(lambda p, k: TrainState.create(params=p, tx=tx, rng=k, policy=policy))(
+        params, jax.random.PRNGKey(cfg.seed + 1)
+    )
+
+    data_fn = resolve_callable(cfg.data.fn, "data.fn")
+    _check_call(data_fn, "data", cfg.data.fn, **cfg.data.kwargs)
+    data = _pipelines(cfg, _load_data(cfg, data_fn), strategy.num_replicas_in_sync)
+
+    bind = dict(apply_fn=apply_fn, **cfg.train.step_kwargs)
+    train_fn = resolve_callable(cfg.train.train_step, "train.train_step")
+    _check_call(train_fn, "train", cfg.train.train_step, None, None, **bind)
+    train_step = functools.partial(train_fn, **bind)
+    eval_step = None
+    if cfg.train.eval_step is not None:
+        eval_fn = resolve_callable(cfg.train.eval_step, "train.eval_step")
+        _check_call(eval_fn, "train", cfg.train.eval_step, None, None, **bind)
+        eval_step = functools.partial(eval_fn, **bind)
+
+    val_name = cfg.data.validation_split
+    if val_name is not None and val_name not in data:
+        raise ConfigError(
+            f"Config field 'data.validation_split' is {val_name!r}, but {cfg.data.fn} returned "
+            f"the splits {sorted(data)}. Use one of them or null."
+        )
+    trainer = Trainer(
+        strategy,
+        train_step,
+        eval_step,
+        callbacks=[*_callbacks(cfg, progress_bar), *callbacks],
+        steps_per_execution=cfg.train.steps_per_execution,
+        log_every=cfg.train.log_every,
+        grad_accum_steps=cfg.train.grad_accum_steps,
+    )
+    state, history = trainer.fit(
+        state,
+        data["train"],
+        epochs=cfg.train.epochs,
+        steps=cfg.train.steps,
+        validation_data=data[val_name] if (val_name and eval_step) else None,
+        validation_freq=cfg.train.validation_freq,
+    )
+    test_metrics = None
+    if eval_step is not None and "test" in data:
+        test_metrics = trainer.evaluate(state, data["test"])
+        shown = " ".join(f"{k}={v:.4f}" for k, v in test_metrics.items())
+        say(f"final test: {shown}")
+        if "accuracy" in test_metrics:
+            say(f"test accuracy: {100 * test_metrics['accuracy']:.2f}%")
+    seconds = time.perf_counter() - start
+    say(f"time: {seconds:.1f} s ({trainer.global_step} steps)")
+    return RunResult(state, history, test_metrics, seconds)
