@@ -201,7 +201,7 @@ def _distrain_step(w: Workload) -> Callable[..., Any]:
 def _trainer_step(w: Workload) -> Callable[..., Any]:
     """The per-replica step handed to ``Trainer``: returns ``(state, metrics)``."""
     import distrain as dt
-    from distrain._src.train.metrics import Mean
+    from distrain.metrics import Mean
 
     def train_step(state, batch):
         def loss_fn(p):
@@ -298,7 +298,7 @@ class TrainerFit(Bench):
 
     def setup(self) -> None:
         import distrain as dt
-        from distrain._src.train.trainer import Trainer
+        from distrain import Trainer
 
         self.strategy = dt.MirroredStrategy()
         self.trainer = Trainer(
@@ -318,7 +318,7 @@ class TrainerFit(Bench):
         self.time(WARMUP_STEPS)
 
     def time(self, steps: int) -> Sample:
-        from distrain._src.train.callbacks.base import Callback
+        from distrain.callbacks import Callback
 
         warm = 4 * self.k
         steps = max(self.k, steps - steps % self.k)

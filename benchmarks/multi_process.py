@@ -30,7 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def worker(args: argparse.Namespace) -> int:
     """One process of one configuration: times `--steps` steps, `--repeats` times."""
-    from distrain._src.strategy.multi_worker import MultiWorkerMirroredStrategy
+    from distrain import MultiWorkerMirroredStrategy
 
     strategy = MultiWorkerMirroredStrategy()  # before any other JAX call
 

@@ -59,9 +59,9 @@ from jax.experimental import io_callback  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import distrain as dt  # noqa: E402
 from benchmarks.workloads import WORKLOADS, synthetic_data  # noqa: E402
-from distrain._src.ps.coordinator import ClusterCoordinator  # noqa: E402
-from distrain._src.ps.partitioners import FixedShardsPartitioner  # noqa: E402
-from distrain._src.ps.strategy import ParameterServerStrategy  # noqa: E402
+from distrain.experimental import ParameterServerStrategy  # noqa: E402
+from distrain.experimental.coordinator import ClusterCoordinator  # noqa: E402
+from distrain.experimental.partitioners import FixedShardsPartitioner  # noqa: E402
 
 MLP = WORKLOADS["mlp"]
 TX = optax.adam(1e-3)

@@ -6,7 +6,7 @@ import numpy as np
 import optax
 
 import distrain as dt
-from distrain._src.train.metrics import Mean
+from distrain.metrics import Mean
 
 DIM = 4
 

@@ -15,10 +15,10 @@ import optax
 import pytest
 
 import distrain as dt
+from distrain import Trainer
 from distrain import callbacks as cb
-from distrain._src.data.pipeline import ArrayPipeline
-from distrain._src.train.trainer import Trainer
 from distrain.checkpoint import CheckpointManager
+from distrain.data import ArrayPipeline
 from tests.linear_problem import DIM, eval_step, new_state, problem, train_step
 
 

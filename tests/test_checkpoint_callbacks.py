@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 
 import distrain as dt
+from distrain import Trainer
 from distrain import callbacks as cb
-from distrain._src.train.trainer import Trainer
 from distrain.checkpoint import CheckpointManager
 from tests.linear_problem import new_state, train_step
 from tests.test_callbacks import nan_batches, pipeline

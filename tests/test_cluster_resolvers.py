@@ -5,17 +5,18 @@ import socket
 
 import pytest
 
-from distrain._src.cluster.base import parse_address
-from distrain._src.cluster.communication import CommunicationImplementation, CommunicationOptions
-from distrain._src.cluster.launch import free_port
-from distrain._src.cluster.resolvers import (
+from distrain import (
     AutoClusterResolver,
+    CommunicationImplementation,
+    CommunicationOptions,
     EnvClusterResolver,
     SimpleClusterResolver,
+    TFConfigClusterResolver,
     resolve_cluster,
 )
+from distrain._src.cluster.base import parse_address
+from distrain._src.cluster.launch import free_port
 from distrain._src.cluster.runtime import check_port_free, wait_for_coordinator
-from distrain._src.cluster.tf_config import TFConfigClusterResolver
 
 
 def tf_config(cluster, task_type, index):

@@ -13,12 +13,14 @@ import optax
 import pytest
 
 import distrain as dt
+from distrain import (
+    CommunicationOptions,
+    MultiWorkerMirroredStrategy,
+    SimpleClusterResolver,
+    TFConfigClusterResolver,
+    initialize_distributed,
+)
 from distrain._src.cluster import runtime
-from distrain._src.cluster.communication import CommunicationOptions
-from distrain._src.cluster.resolvers import SimpleClusterResolver
-from distrain._src.cluster.runtime import initialize_distributed
-from distrain._src.cluster.tf_config import TFConfigClusterResolver
-from distrain._src.strategy.multi_worker import MultiWorkerMirroredStrategy
 
 
 @pytest.fixture(autouse=True)

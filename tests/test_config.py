@@ -7,14 +7,9 @@ import jax
 import pytest
 import yaml
 
-from distrain._src.train.config import (
-    ConfigError,
-    RunConfig,
-    apply_overrides,
-    config_from_dict,
-    load_config,
-)
-from distrain._src.train.run import _optimizer, _split_model, build_strategy, resolve_callable
+from distrain._src.train.config import apply_overrides, config_from_dict
+from distrain._src.train.run import _optimizer, _split_model, build_strategy
+from distrain.config import ConfigError, RunConfig, load_config, resolve_callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))

@@ -5,7 +5,8 @@ import sys
 
 import pytest
 
-from distrain._src.train.config import ConfigError, config_from_dict, load_config
+from distrain._src.train.config import config_from_dict
+from distrain.config import ConfigError, load_config
 
 REQUIRED = {"model": {"fn": "m:f"}, "data": {"fn": "d:f"}, "train": {"train_step": "s:f"}}
 

@@ -13,7 +13,8 @@ import pytest
 
 import distrain._src.data.datasets as datasets
 from distrain._src.cluster.launch import free_port
-from distrain._src.data.datasets import MNIST_FILES, load_digits, load_mnist
+from distrain._src.data.datasets import MNIST_FILES
+from distrain.data import load_digits, load_mnist
 
 # --------------------------------------------------------------------------- digits
 

@@ -24,9 +24,8 @@ from flax import nnx
 
 import distrain as dt
 from distrain._src.cluster.launch import free_port
-from distrain._src.data.pipeline import ArrayPipeline
-from distrain._src.train.config import load_config
-from distrain._src.train.run import run_config
+from distrain.config import load_config, run_config
+from distrain.data import ArrayPipeline
 from examples.lm import data as lm_data
 from examples.lm.model import LMConfig, Transformer, count_params, flops_per_token
 from examples.lm.train import (

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import distrain as dt
-from distrain._src.data.pipeline import ArrayPipeline
+from distrain.data import ArrayPipeline
 
 N, B = 48, 16
 

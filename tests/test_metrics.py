@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 import distrain as dt
+from distrain import Trainer
 from distrain._src.train import metrics as M
-from distrain._src.train.trainer import Trainer
 
 
 def test_mean_with_mask_and_weights():

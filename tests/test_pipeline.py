@@ -6,7 +6,7 @@ import json
 import numpy as np
 import pytest
 
-from distrain._src.data.pipeline import ArrayPipeline
+from distrain.data import ArrayPipeline
 
 
 def _data(n=40):

@@ -17,16 +17,16 @@ import optax
 import pytest
 
 import distrain as dt
-from distrain._src.data.datasets import load_digits
-from distrain._src.ps.coordinator import ClusterCoordinator
-from distrain._src.ps.errors import (
+from distrain.data import load_digits
+from distrain.experimental import ParameterServerStrategy
+from distrain.experimental.coordinator import (
+    ClusterCoordinator,
     FunctionCancelledError,
     OutOfRangeError,
     ParameterServerUnavailableError,
     WorkerUnavailableError,
 )
-from distrain._src.ps.partitioners import FixedShardsPartitioner
-from distrain._src.ps.strategy import ParameterServerStrategy
+from distrain.experimental.partitioners import FixedShardsPartitioner
 
 # ----------------------------------------------------------------- model
 

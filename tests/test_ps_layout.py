@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from distrain._src.ps.layout import Layout
-from distrain._src.ps.partitioners import (
+from distrain.experimental.partitioners import (
     FixedShardsPartitioner,
     MaxSizePartitioner,
     MinSizePartitioner,

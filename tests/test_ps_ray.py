@@ -15,11 +15,10 @@ import ray
 import test_ps as common
 from ray import cloudpickle
 
-from distrain._src.ps.coordinator import ClusterCoordinator
-from distrain._src.ps.errors import ParameterServerUnavailableError
-from distrain._src.ps.partitioners import FixedShardsPartitioner
 from distrain._src.ps.ray_backend import connect
-from distrain._src.ps.strategy import ParameterServerStrategy
+from distrain.experimental import ParameterServerStrategy
+from distrain.experimental.coordinator import ClusterCoordinator, ParameterServerUnavailableError
+from distrain.experimental.partitioners import FixedShardsPartitioner
 
 pytestmark = pytest.mark.timeout(240)
 

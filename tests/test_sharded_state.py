@@ -177,7 +177,8 @@ def test_shard_state_choices(devices):
 
 
 def test_config_takes_the_hybrid_layout():
-    from distrain._src.train.config import ConfigError, config_from_dict
+    from distrain._src.train.config import config_from_dict
+    from distrain.config import ConfigError
 
     code = {"model": {"fn": "m:f"}, "data": {"fn": "d:f"}, "train": {"train_step": "s:f"}}
     cfg = config_from_dict(

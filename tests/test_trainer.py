@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 
 import distrain as dt
-from distrain._src.data.pipeline import ArrayPipeline
-from distrain._src.train.callbacks.base import LambdaCallback
-from distrain._src.train.trainer import DataEndedError, Trainer
+from distrain import DataEndedError, Trainer
+from distrain.callbacks import LambdaCallback
+from distrain.data import ArrayPipeline
 from tests.linear_problem import DIM, apply_fn, eval_step, new_state, problem, train_step
 
 

@@ -31,7 +31,7 @@ def main() -> int:
     parser.add_argument("--step-seconds", type=float, default=0.05)
     args = parser.parse_args()
 
-    from distrain._src.strategy.multi_worker import MultiWorkerMirroredStrategy
+    from distrain import MultiWorkerMirroredStrategy
 
     strategy = MultiWorkerMirroredStrategy()
 

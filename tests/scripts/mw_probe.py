@@ -10,7 +10,7 @@ import sys
 
 
 def main() -> int:
-    from distrain._src.strategy.multi_worker import MultiWorkerMirroredStrategy
+    from distrain import MultiWorkerMirroredStrategy
 
     strategy = MultiWorkerMirroredStrategy()
 

@@ -74,7 +74,7 @@ def main() -> int:
     parser.add_argument("--die-at", type=int, default=None)
     args = parser.parse_args()
 
-    from distrain._src.strategy.multi_worker import MultiWorkerMirroredStrategy
+    from distrain import MultiWorkerMirroredStrategy
 
     # First: joining the cluster must precede any other JAX call.
     strategy = MultiWorkerMirroredStrategy()

@@ -21,14 +21,14 @@ def main() -> int:
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
 
-    from distrain._src.strategy.multi_worker import MultiWorkerMirroredStrategy
+    from distrain import MultiWorkerMirroredStrategy
 
     strategy = MultiWorkerMirroredStrategy()  # first: before any other JAX call
 
     import jax
 
-    from distrain._src.train.callbacks.logging import CSVLogger, ProgressBar, TensorBoard
-    from distrain._src.train.trainer import Trainer
+    from distrain import Trainer
+    from distrain.callbacks import CSVLogger, ProgressBar, TensorBoard
 
     pid = jax.process_index()
     step = mw_train.make_train_step(16)
