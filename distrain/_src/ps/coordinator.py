@@ -37,7 +37,7 @@ from __future__ import annotations
 import heapq
 import threading
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
@@ -52,6 +52,9 @@ from distrain._src.ps.errors import (
 from distrain._src.ps.servers import check_index
 from distrain._src.ps.step import WorkerStep
 from distrain._src.ps.worker import FAULT_POINTS
+
+if TYPE_CHECKING:
+    from distrain._src.ps.strategy import ParameterServerStrategy
 
 _ADMIT_POLL_S = 0.05
 
@@ -169,7 +172,7 @@ class ClusterCoordinator:
         ValueError: if the strategy already has a coordinator.
     """
 
-    def __init__(self, strategy: Any):
+    def __init__(self, strategy: ParameterServerStrategy) -> None:
         from distrain._src.ps.strategy import ParameterServerStrategy
 
         if not isinstance(strategy, ParameterServerStrategy):

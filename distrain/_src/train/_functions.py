@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +32,9 @@ from distrain._src import context
 from distrain._src.strategy._checks import check_no_leaks
 from distrain._src.train import metrics as metrics_lib
 from distrain._src.values import PerReplica
+
+if TYPE_CHECKING:
+    from distrain._src.strategy.base import Strategy
 
 Step = Callable[..., Any]
 
@@ -210,7 +213,7 @@ def make_predict_fn(predict_step: Step, mask_key: str | None) -> Callable[..., A
     return predict_fn
 
 
-def trace_shapes(strategy: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+def trace_shapes(strategy: Strategy, fn: Callable[..., Any], args: tuple[Any, ...]) -> Any:
     """The output shapes of the replica function ``fn(*args)`` without running it.
 
     Traces ``fn`` as ``strategy.run`` would (per-replica shapes, replica context and
@@ -229,17 +232,15 @@ def trace_shapes(strategy: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -
         return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
 
     local_args = jax.tree.map(local, args, is_leaf=lambda x: isinstance(x, PerReplica))
-    axis = getattr(strategy, "axis_name", None)
-    ctx = context.ReplicaContext(strategy, axis, getattr(strategy, "cross_device_ops", None))
+    axis = strategy.axis_name
+    ctx = context.ReplicaContext(strategy, axis, strategy.cross_device_ops)
     with context._enter_scope(strategy), context._enter_replica(ctx):
-        if axis is None:
-            return jax.eval_shape(fn, *local_args)
         _, shapes = jax.make_jaxpr(fn, axis_env=[(axis, n)], return_shape=True)(*local_args)
     check_no_leaks(fn)
     return shapes
 
 
-def per_replica_zeros(strategy: Any, size: int) -> Any:
+def per_replica_zeros(strategy: Strategy, size: int) -> Any:
     """A stacked ``PerReplica`` float32 accumulator ``[size]`` of zeros per replica."""
     zeros = np.zeros((size,), np.float32)
     return strategy.experimental_distribute_values_from_function(lambda ctx: zeros)

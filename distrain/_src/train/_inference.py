@@ -9,15 +9,18 @@ drops padded rows on the host.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
 from distrain._src.train import _functions as F
 
+if TYPE_CHECKING:
+    from distrain._src.strategy.base import Strategy
 
-def distribute(strategy: Any, data: Iterable[Any]) -> Iterable[Any]:
+
+def distribute(strategy: Strategy, data: Iterable[Any]) -> Iterable[Any]:
     """``data`` as per-replica batches of ``strategy`` (distributed unless it already is).
 
     Raises:
@@ -49,7 +52,7 @@ def distribute(strategy: Any, data: Iterable[Any]) -> Iterable[Any]:
 class ZeroCache:
     """Per-replica zero accumulators (and their layouts), one per step and input shapes."""
 
-    def __init__(self, strategy: Any) -> None:
+    def __init__(self, strategy: Strategy) -> None:
         self._strategy = strategy
         self._cache: dict[Any, tuple[F.Layout, Any]] = {}
 
@@ -68,7 +71,7 @@ class ZeroCache:
 
 
 def evaluate_loop(
-    strategy: Any,
+    strategy: Strategy,
     eval_fn: Any,
     zeros: ZeroCache,
     state: Any,
@@ -91,7 +94,7 @@ def evaluate_loop(
 
 
 def predict_loop(
-    strategy: Any, predict_fn: Any, state: Any, batches: Iterable[Any], steps: int | None
+    strategy: Strategy, predict_fn: Any, state: Any, batches: Iterable[Any], steps: int | None
 ) -> Any:
     """The concatenated per-example outputs of ``predict_fn``, padded rows dropped."""
     outs = []

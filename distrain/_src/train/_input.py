@@ -33,6 +33,7 @@ import numpy as np
 
 if TYPE_CHECKING:
     from distrain._src.data.pipeline import ArrayPipeline
+    from distrain._src.strategy.base import Strategy
 
 MODES = ("auto", "device", "host")
 _ROW = "row"
@@ -48,7 +49,7 @@ def check_mode(mode: Any) -> str:
 class Resident:
     """The arrays of an ``ArrayPipeline`` on the devices, and how to gather batches."""
 
-    def __init__(self, strategy: Any, pipeline: ArrayPipeline) -> None:
+    def __init__(self, strategy: Strategy, pipeline: ArrayPipeline) -> None:
         self.pipeline = pipeline
         self.arrays = strategy.put_replicated(list(pipeline._leaves))
         self.mask_key = pipeline.mask_key
@@ -97,7 +98,7 @@ class Resident:
         return step
 
 
-def choose(strategy: Any, data: Any, mode: str) -> tuple[str, Resident | None]:
+def choose(strategy: Strategy, data: Any, mode: str) -> tuple[str, Resident | None]:
     """Which input mode ``fit`` uses for ``data``, and the placed arrays for ``"device"``."""
     pipeline_module = sys.modules.get("distrain._src.data.pipeline")  # not imported: no pipeline
     if mode == "host" or pipeline_module is None:
@@ -110,7 +111,7 @@ def choose(strategy: Any, data: Any, mode: str) -> tuple[str, Resident | None]:
     return "device", Resident(strategy, data)
 
 
-def device_memory_bytes(strategy: Any) -> int:
+def device_memory_bytes(strategy: Strategy) -> int:
     """Memory of one of the strategy's devices: its allocator's limit, or for CPU
     devices (which share the host's memory) the host's memory divided among them."""
     device = next(d for d in strategy.devices if d.process_index == jax.process_index())

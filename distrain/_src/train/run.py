@@ -20,12 +20,15 @@ import inspect
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 
 from distrain._src.padding import MASK_KEY
 from distrain._src.train.config import ConfigError, RunConfig, StrategyConfig
+
+if TYPE_CHECKING:
+    from distrain._src.strategy.base import Strategy
 
 __all__ = ["RunResult", "build_strategy", "resolve_callable", "run_config"]
 
@@ -94,7 +97,7 @@ def _check_call(fn: Callable[..., Any], section: str, path: str, *args: Any, **k
         ) from e
 
 
-def build_strategy(cfg: StrategyConfig) -> Any:
+def build_strategy(cfg: StrategyConfig) -> Strategy:
     """The strategy a config names (created first: multi-worker joins the cluster here)."""
     import distrain as dt
 
@@ -305,7 +308,7 @@ def run_config(
 
     start = time.perf_counter()
     strategy = build_strategy(cfg.strategy)
-    chief = getattr(strategy, "is_chief", jax.process_index() == 0)
+    chief = strategy.is_chief
     say = print_fn if (print_fn is not None and chief) else (lambda _msg: None)
     say(f"distrain train: {cfg.name} on {strategy!r} ({jax.devices()[0].platform})")
 

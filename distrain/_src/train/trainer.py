@@ -146,7 +146,7 @@ class Trainer:
 
     def __init__(
         self,
-        strategy: Any = None,
+        strategy: Strategy | None = None,
         train_step: Callable[..., Any] | None = None,
         eval_step: Callable[..., Any] | None = None,
         predict_step: Callable[..., Any] | None = None,
