@@ -33,7 +33,7 @@ overrides:
     strategy.devices=[cpu:0,cpu:1]  logging.dir=runs/exp1  logging.tensorboard=true
 
 config sections: strategy, model, data, optimizer, train, logging, checkpoint
-  (documented in docs/getting_started.md and distrain/train/config.py)
+  (documented in docs/getting_started.md and dt.config.RunConfig)
 """
 
 
