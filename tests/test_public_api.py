@@ -1,14 +1,16 @@
 """One public path per name: the public modules re-export, and users import only them.
 
-Every name in a public module's ``__all__`` exists and is documented; the examples
-and the documentation import nothing else from distrain (what they show is what users
-write).
+Everything but the public modules lives under ``distrain._src``; every name in a public
+module's ``__all__`` exists and is documented; the examples, the documentation and the
+shipped configs import nothing else from distrain (what they show is what users write);
+every class is abstract or final.
 """
 
 import ast
 import importlib
 import inspect
 import pathlib
+import pkgutil
 import re
 
 import pytest
@@ -29,8 +31,6 @@ PUBLIC = (
 
 
 def test_every_module_outside_src_is_public():
-    import pkgutil
-
     import distrain
 
     outside = {
@@ -99,8 +99,6 @@ EXTENSION_POINTS = {
 
 
 def _distrain_classes():
-    import pkgutil
-
     import distrain
 
     for info in pkgutil.walk_packages(distrain.__path__, "distrain."):
