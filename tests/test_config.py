@@ -125,6 +125,10 @@ def test_model_data_and_train_step_are_required_and_all_errors_are_reported():
     assert "Config section 'model' is required; it needs fn." in msg
     assert "'data.fn' must be str. Received: 1 (int)." in msg
     assert "'train.epochs' must be >= 1" in msg
+    with pytest.raises(ConfigError) as e:
+        config_from_dict({1: "x", **_with(train={2: 3})})  # YAML reads `1:` as a number
+    assert "Unknown config key '1'." in str(e.value)
+    assert "Unknown config key 'train.2'. Valid keys in 'train': train_step," in str(e.value)
     with pytest.raises(ConfigError, match=r"'train.train_step' is required: an import path"):
         config_from_dict({**REQUIRED, "train": {}})
 

@@ -357,14 +357,14 @@ def _translate(error: pydantic.ValidationError) -> ConfigError:
         for part in e["loc"]:
             if not _is_section(model):
                 break
-            if part not in model.model_fields:  # only extra_forbidden points past a schema
+            if part not in model.model_fields:  # a key not in the schema (or not a string)
                 full = ".".join([*path, str(part)])
                 messages.append(_unknown_key(full, str(part), ".".join(path), model))
                 break
             path.append(str(part))
             field = model.model_fields[str(part)]
             model = field.annotation
-        if e["type"] != "extra_forbidden":
+        if e["type"] not in ("extra_forbidden", "invalid_key"):
             where = ".".join(path) + "".join(f"[{i}]" for i in e["loc"] if isinstance(i, int))
             fields.setdefault(where, (field, []))[1].append(e)
     messages += [_field_message(path, f, errors) for path, (f, errors) in fields.items()]
