@@ -1,4 +1,4 @@
-"""Build and run a training run from a :class:`~distrain._src.train.config.RunConfig`.
+"""Build and run a training run from a run config (``dt.config.RunConfig``).
 
 This is what ``distrain train --config FILE`` does: make the strategy, the model and
 its ``TrainState``, the data pipelines, the steps and the callbacks the config names;
