@@ -202,3 +202,24 @@ def test_example_max_pool_matches_nnx_max_pool_values_and_gradients(shape):
     ref_out, ref_vjp = jax.vjp(lambda x: reference(jax.nn.relu(x)), x)
     assert jnp.array_equal(out, ref_out)
     assert jnp.array_equal(vjp(ct)[0], ref_vjp(ct)[0])
+
+
+def test_the_configs_in_the_docs_are_valid_and_the_reference_lists_every_field():
+    import re
+
+    with open(os.path.join(ROOT, "docs", "getting_started.md")) as f:
+        text = f.read()
+    reference, custom = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S)]
+    for data in (reference, custom):
+        config_from_dict(data)
+    # The reference is configs/quickstart.yaml, annotated, and names every field.
+    quickstart = load_config(os.path.join(ROOT, "configs", "quickstart.yaml"))
+    assert config_from_dict(reference) == quickstart
+    full = config_from_dict(reference).model_dump()
+    missing = {
+        f"{section}.{name}"
+        for section, fields in full.items()
+        if isinstance(fields, dict)
+        for name in set(fields) - set(reference[section])
+    }
+    assert not missing, f"docs/getting_started.md's reference config lacks {sorted(missing)}"
