@@ -13,7 +13,8 @@ from typing import Any
 import numpy as np
 
 
-def _is_positive_int(value: Any) -> bool:
+def is_positive_int(value: Any) -> bool:
+    """An int or NumPy integer >= 1; bools are not counts."""
     return not isinstance(value, bool) and isinstance(value, int | np.integer) and bool(value >= 1)
 
 
@@ -24,7 +25,7 @@ def positive_int(name: str, value: Any) -> int:
       >>> positive_int("steps", 3)
       3
     """
-    if not _is_positive_int(value):
+    if not is_positive_int(value):
         raise ValueError(f"`{name}` must be a positive int. Received: {name}={value!r}.")
     return int(value)
 
@@ -33,6 +34,6 @@ def optional_positive_int(name: str, value: Any) -> int | None:
     """As :func:`positive_int`, with ``None`` allowed (and returned) for "no limit"."""
     if value is None:
         return None
-    if not _is_positive_int(value):
+    if not is_positive_int(value):
         raise ValueError(f"`{name}` must be a positive int or None. Received: {name}={value!r}.")
     return int(value)

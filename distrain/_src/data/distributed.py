@@ -39,6 +39,7 @@ import jax
 import numpy as np
 
 from distrain._src.padding import pad_rows
+from distrain._src.validate import is_positive_int
 from distrain._src.values import PerReplica
 
 if TYPE_CHECKING:
@@ -121,11 +122,7 @@ class InputContext:
         Raises:
           ValueError: not a positive int, or not divisible by the number of replicas.
         """
-        if (
-            isinstance(global_batch_size, bool | np.bool_)
-            or not isinstance(global_batch_size, int | np.integer)
-            or global_batch_size <= 0
-        ):
+        if not is_positive_int(global_batch_size):
             raise ValueError(
                 "global_batch_size must be a positive int (rows per step over all replicas). "
                 f"Received: {global_batch_size!r} ({type(global_batch_size).__name__})."

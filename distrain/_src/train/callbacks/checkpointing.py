@@ -29,17 +29,18 @@ import jax.numpy as jnp
 import numpy as np
 
 from distrain._src.train.callbacks.base import Callback, Logs, StepInfo, ensure_writable_dir
+from distrain._src.validate import is_positive_int
 
 
 def _check_freq(save_freq: Any, who: str) -> int | str:
     if save_freq == "epoch":
         return "epoch"
-    if isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1:
+    if not is_positive_int(save_freq):
         raise ValueError(
             f"{who} save_freq must be 'epoch' or a positive number of steps. "
             f"Received: save_freq={save_freq!r}."
         )
-    return save_freq
+    return int(save_freq)
 
 
 @jax.jit
