@@ -201,7 +201,7 @@ def get_accumulation() -> Any:
 
     ``compute_average_loss`` reads it to divide by the whole update's batch, and
     ``TrainState.apply_gradients`` to record gradients instead of applying them
-    (``distrain/train/accumulation.py``).
+    (``distrain/_src/train/accumulation.py``).
     """
     return _state.accumulation
 

@@ -297,7 +297,7 @@ def _unknown_key(full: str, key: str, section: str, model: type[pydantic.BaseMod
 
 
 _ITEM_TYPES = {"string_type": "str", "int_type": "int", "float_type": "float", "bool_type": "bool"}
-_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">", "less_than_equal": "<="}
+_BOUNDS = {"greater_than_equal": ">=", "greater_than": ">"}  # the schema's Field(ge=, gt=)
 
 
 def _field_message(path: str, field: FieldInfo, errors: list[ErrorDetails]) -> str:
@@ -312,7 +312,7 @@ def _field_message(path: str, field: FieldInfo, errors: list[ErrorDetails]) -> s
                 required = [n for n, f in tp.model_fields.items() if f.is_required()]
                 return f"Config section {path!r} is required; it needs {', '.join(required)}."
             return f"Config field {path!r} is required: {field.description}."
-        if e["type"] in ("model_type", "model_attributes_type"):
+        if e["type"] == "model_type":
             return (
                 f"Config section {path!r} must be a mapping of keys to values. "
                 f"{received} ({type(value).__name__})."

@@ -318,7 +318,7 @@ class Trainer:
           DataEndedError: ``data`` ran out before ``steps``/``epochs`` were done.
           TypeError: ``train_step`` returned something other than ``(new_state, metrics)``.
         """
-        if self.train_step is None or self._step_fn is None:
+        if self._step_fn is None:  # set exactly when there is a train_step
             raise ValueError(
                 "`Trainer.fit` needs a train_step: pass Trainer(strategy, train_step)."
             )
