@@ -1,7 +1,1 @@
-"""Fault tolerance: checkpoints that resume exactly, preemption handling.
-
-Example:
-  >>> import distrain as dt
-  >>> with dt.CheckpointManager("/tmp/run", save_interval_steps=100) as mgr:
-  ...     restored = mgr.restore(target=state)
-"""
+"""Checkpoints that resume exactly, and preemption handling (public as ``dt.checkpoint``)."""
