@@ -1,4 +1,4 @@
 """Multi-process set-up: cluster resolvers, collectives options, JAX runtime start, launcher.
 
-Users import these names from ``distrain``; this package only groups them.
+Users import these names from ``distrain``.
 """
