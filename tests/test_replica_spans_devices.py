@@ -257,30 +257,30 @@ def test_tensor_parallel_rules_lay_out_parameters_and_their_moments(devices):
 
 
 def test_errors(devices):
-    with pytest.raises(ValueError, match=r"=3 must divide .* \(8\).*\[1, 2, 4, 8\]"):
+    with pytest.raises(ValueError, match=r"=3 needs 3 devices .* must divide .* \(8\).*\[1, 2, 4, 8\]"):
         dt.MirroredStrategy(devices_per_replica=3)
     for bad in (0, -2, True, "all", 2.0):
-        with pytest.raises(ValueError, match=r"positive int or 'process'. Received"):
+        with pytest.raises(ValueError, match=r"positive int, 'process', or a mapping.*Received"):
             dt.MirroredStrategy(devices_per_replica=bad)
-    with pytest.raises(ValueError, match="needs devices_per_replica > 1"):
+    with pytest.raises(ValueError, match="need devices_per_replica > 1"):
         dt.MirroredStrategy(layout={"w": P("model")})
     with pytest.raises(ValueError, match="not a regular expression"):
         dt.MirroredStrategy(devices_per_replica=2, layout={"(": P("model")})
-    with pytest.raises(ValueError, match=r"names axes other than 'model'"):
+    with pytest.raises(ValueError, match=r"names 'replica', which is neither an axis of the replica \['model'\]"):
         dt.MirroredStrategy(devices_per_replica=2, layout={"w": P("replica")})
     with pytest.raises(ValueError, match="must give a jax.sharding.PartitionSpec"):
         dt.MirroredStrategy(devices_per_replica=2, layout={"w": "model"})
-    with pytest.raises(ValueError, match=r"dict or \(pattern, spec\) pairs"):
+    with pytest.raises(ValueError, match=r"dict or \(pattern, spec\) pairs, or a pytree"):
         dt.MirroredStrategy(devices_per_replica=2, layout=[("w",)])
     with pytest.raises(ValueError, match="shard_state splits the state over replicas"):
         dt.MirroredStrategy(devices_per_replica=2, shard_state=True)
-    strategy = dt.MirroredStrategy(devices_per_replica=8, layout={"bias": P(None, "model")})
+    strategy = dt.MirroredStrategy(devices_per_replica=8, layout={"hidden/bias": P(None, "model")})
     with pytest.raises(ValueError, match=r"'hidden/bias' has shape \(256,\) \(1 dimensions\)"):
         strategy.put_replicated(mlp_state().params)
     strategy = dt.MirroredStrategy(
         devices[:3], devices_per_replica=3, layout={"out/kernel": P(None, "model")}
     )
-    with pytest.raises(ValueError, match=r"dimension 1 of 'out/kernel' \(shape \(256, 8\)\)"):
+    with pytest.raises(ValueError, match=r"dimension 1 of 'out/kernel' \(shape \(256, 8\)\) over 3"):
         strategy.put_replicated(mlp_state().params)
     with pytest.raises(TypeError, match="needs a function as `fn`"):
         strategy.memory_analysis(42)
@@ -301,44 +301,50 @@ def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, k):
     assert want["losses"][0] != want["losses"][-1]
 
 
-@pytest.mark.parametrize("k", [2, 8])
+@pytest.mark.parametrize("k", [2, 8, {"fsdp": 2, "tensor": 2}])
 def test_replica_ids_and_a_raw_axis_index(devices, k):
     """The replica context's id works when replicas span devices (also inside scan and
-    random keys); a raw jax.lax.axis_index, which JAX cannot compile there, is an error
-    that names the replacement."""
+    random keys), and so does a raw jax.lax.axis_index over the replica axis (the
+    replica's named mesh is the context mesh while the step is traced)."""
     strategy = dt.MirroredStrategy(devices_per_replica=k)
 
     def ids(x):
         i = dt.get_replica_context().replica_id_in_sync_group
         key = jax.random.fold_in(jax.random.key(0), i)
-        return jax.lax.scan(lambda c, _: (c + i, None), x, None, length=3)[0], key
+        raw = jax.lax.axis_index(strategy.axis_name)
+        return jax.lax.scan(lambda c, _: (c + i, None), x, None, length=3)[0], key, raw
 
-    total, keys = strategy.run(ids, args=(jnp.float32(0),))
+    total, keys, raw = strategy.run(ids, args=(jnp.float32(0),))
     n = strategy.num_replicas_in_sync
     got = [float(t) for t in strategy.experimental_local_results(total)]
     assert got == [3.0 * i for i in range(n)]
-    if n > 1:
-        with pytest.raises(ValueError, match="replica_id_in_sync_group instead"):
-            strategy.run(lambda: jax.lax.axis_index(strategy.axis_name))
+    assert [int(r) for r in strategy.experimental_local_results(raw)] == list(range(n))
 
 
 def test_devices_per_replica_across_processes():
-    """The process checks, on device records of 2 processes (a real 2-process job is
-    test_two_processes_of_four_devices_match_one_of_eight)."""
+    """The process checks, on device records of 2 processes (real 2-process jobs are
+    test_two_processes_of_four_devices_match_one_of_eight and tests/test_replica_mesh.py)."""
     from types import SimpleNamespace
 
-    from distrain._src.strategy.layout import check_devices_per_replica
+    from distrain._src.strategy.replica_mesh import resolve_inner_axes, spans_processes
+
+    def check(value, devices):
+        return resolve_inner_axes(value, devices, "replica")
 
     two_by_four = [SimpleNamespace(process_index=i // 4) for i in range(8)]
-    assert check_devices_per_replica("process", two_by_four) == 4
-    assert check_devices_per_replica(2, two_by_four) == 2  # inside a process
-    with pytest.raises(ValueError, match=r"=8 must divide the devices of every process"):
-        check_devices_per_replica(8, two_by_four)  # a replica would span two processes
+    assert check("process", two_by_four) == {"model": 4}
+    assert check(2, two_by_four) == {"model": 2}  # inside a process
+    assert check(8, two_by_four) == {"model": 8}  # whole processes
+    assert check({"fsdp": 4, "tensor": 2}, two_by_four) == {"fsdp": 4, "tensor": 2}
+    assert spans_processes(two_by_four, 8) and not spans_processes(two_by_four, 4)
+    three = [SimpleNamespace(process_index=i // 2) for i in range(6)]
+    with pytest.raises(ValueError, match=r"divide the devices of every process or be a multiple"):
+        check(3, three)  # a replica would cut process 1 in two
     uneven = [SimpleNamespace(process_index=0)] * 6 + [SimpleNamespace(process_index=1)] * 2
     with pytest.raises(ValueError, match=r"'process' needs the same number .* \{0: 6, 1: 2\}"):
-        check_devices_per_replica("process", uneven)
-    with pytest.raises(ValueError, match=r"=4 must divide the devices of every process"):
-        check_devices_per_replica(4, uneven)
+        check("process", uneven)
+    with pytest.raises(ValueError, match=r"divide the devices of every process or be a multiple"):
+        check(4, uneven)
 
 
 def test_configs_take_devices_per_replica(devices):

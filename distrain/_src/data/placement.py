@@ -23,10 +23,10 @@ if TYPE_CHECKING:
 
 
 def local_replicas(strategy: Strategy) -> int:
-    """The replicas of ``strategy`` whose devices belong to this process."""
-    return sum(d.process_index == jax.process_index() for d in strategy.devices) // (
-        strategy.devices_per_replica
-    )
+    """The replicas of ``strategy`` whose devices belong to this process; 1 when a
+    replica spans processes (this process feeds its devices' share of one replica)."""
+    local = sum(d.process_index == jax.process_index() for d in strategy.devices)
+    return max(1, local // strategy.devices_per_replica)
 
 
 def shard_global_batch(strategy: Strategy, batch: Any) -> PerReplica:

@@ -34,6 +34,7 @@ the program as written. A program that still names the replica axis (a user's ow
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -42,6 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import jaxpr_as_fun
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from distrain._src import context
@@ -131,15 +133,8 @@ class ReplicaCompiler:
             self._in_flight.popleft().block_until_ready()
         try:
             out, done = program.jitted(*arrays)
-        except (ValueError, TypeError) as e:
+        except (ValueError, TypeError):
             _checks.diagnose_per_replica(self._strategy, args, kwargs)  # the clearer error
-            if "context mesh cannot be empty" in str(e):
-                raise ValueError(
-                    f"`{_checks.fn_name(fn)}` calls jax.lax.axis_index over the replica axis, "
-                    "which JAX cannot compile when a replica spans several devices "
-                    f"(devices_per_replica={self._strategy.devices_per_replica}). Use "
-                    "dt.get_replica_context().replica_id_in_sync_group instead."
-                ) from e
             raise
         self._in_flight.append(done)
         return self._strategy._from_compute(out) if self._moves else out
@@ -171,7 +166,11 @@ class ReplicaCompiler:
                 _checks.check_per_replica(self._strategy, leaf, jax.tree.leaves(leaf.value))
         _checks.check_run_dtypes(fn, args, kwargs)
         flat = [jnp.asarray(x) if isinstance(x, np.ndarray | np.generic) else x for x in flat]
-        static_idx = tuple(i for i, x in enumerate(flat) if not isinstance(x, jax.Array))
+        # Abstract leaves (memory_analysis of a state that was never allocated) are
+        # program inputs too.
+        static_idx = tuple(
+            i for i, x in enumerate(flat) if not isinstance(x, jax.Array | jax.ShapeDtypeStruct)
+        )
         _ARRAY_TYPES.update(type(x) for x in flat if isinstance(x, jax.Array))
         static = [flat[i] for i in static_idx]
         full_key = (key, static_idx, _checks.hashable_constants(static, fn))
@@ -182,14 +181,23 @@ class ReplicaCompiler:
             program = _Program(jax.jit(global_fn, donate_argnums=donated), flat, static_idx)
             self._compiled[full_key] = program
         self._programs[key] = program
-        arrays = program.arrays(flat)
-        assert arrays is not None
-        return program, arrays
+        static = set(static_idx)
+        return program, [x for i, x in enumerate(flat) if i not in static]
 
     def _global_fn(self, fn, treedef, flat, static_idx) -> Callable[..., Any]:
         strategy = self._strategy
         n, axis, mesh = strategy.num_replicas_in_sync, strategy.axis_name, strategy.mesh
-        spans = strategy.devices_per_replica > 1
+        spans = bool(strategy.inner_axes)
+        # Inside a replica its named mesh is the context mesh: with_sharding_constraint
+        # with inner axis names lays out activations, and framework ops (dt.nn) find
+        # their axes. The replica axis is manual there, except for a single replica,
+        # whose program is plain GSPMD.
+        abstract = mesh.abstract_mesh
+        if spans and n > 1:
+            abstract = abstract.update_axis_types({axis: AxisType.Manual})
+
+        def in_mesh() -> contextlib.AbstractContextManager[Any]:
+            return jax.sharding.use_abstract_mesh(abstract) if spans else contextlib.nullcontext()
         static = {i: flat[i] for i in static_idx}
         n_leaves = len(flat)
 
@@ -231,17 +239,19 @@ class ReplicaCompiler:
             if spans:
                 arrays = (jnp.arange(n, dtype=jnp.int32), *arrays)
             local = [_local_aval(x, v, n) for x, v in zip(arrays, in_varying, strict=True)]
-            closed, out_shape = jax.make_jaxpr(
-                per_replica, axis_env=[(axis, n)], return_shape=True
-            )(*local)
+            with in_mesh():
+                closed, out_shape = jax.make_jaxpr(
+                    per_replica, axis_env=[(axis, n)], return_shape=True
+                )(*local)
             _checks.check_captured_consts(fn, closed.consts)
             varying = varying_outputs(closed, in_varying, axis)  # the program as written
             paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
             one = spans and n == 1
             if one:  # what runs: the replica context's collectives over one replica elided
-                closed = jax.make_jaxpr(
-                    functools.partial(per_replica, elide=True), axis_env=[(axis, n)]
-                )(*local)
+                with in_mesh():
+                    closed = jax.make_jaxpr(
+                        functools.partial(per_replica, elide=True), axis_env=[(axis, n)]
+                    )(*local)
 
             def body(*xs: Any) -> list[Any]:
                 outs = jaxpr_as_fun(closed)(*xs)

@@ -3,8 +3,8 @@
 Who owns what (one concept per module):
 
 * ``Strategy`` (this module) is the abstract interface users program against: the
-  device mesh (one replica per device, or per ``devices_per_replica`` devices: see
-  ``layout.py``), the layout hook :meth:`Strategy.state_sharding` (where a state leaf
+  device mesh (one replica per device, or a named mesh of devices per replica: see
+  ``replica_mesh.py``; state laid out inside it by ``layout.py``), the layout hook :meth:`Strategy.state_sharding` (where a state leaf
   lives) that each concrete strategy fills, and the tf.distribute methods (``run``,
   ``reduce``, ``gather``, ``experimental_local_results``, the distribute methods).
   Global batches are always split over the replicas, in replica order (and over each
@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import functools
+import math
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal
@@ -44,6 +45,7 @@ from distrain._src.cross_device_ops import CrossDeviceOps, resolve
 from distrain._src.strategy import _checks, sharded
 from distrain._src.strategy import _cross_replica as xr
 from distrain._src.strategy import layout as _layout
+from distrain._src.strategy import replica_mesh
 from distrain._src.strategy._checks import check_placeable
 from distrain._src.strategy._compiler import ReplicaCompiler
 from distrain._src.values import PerReplica
@@ -78,16 +80,20 @@ class Strategy(abc.ABC):
       cross_device_ops: how replicas sum values (default :class:`dt.AllReduce`).
       max_in_flight: how many ``run`` calls may be queued before the host waits for the
         oldest (bounded: an unbounded queue of collectives deadlocks on CPU).
-      devices_per_replica: ``k`` neighbouring devices per replica (``layout.py``): a 2-D
-        mesh ``(replicas, k)``, state and batches split over a replica's devices by
-        XLA inside every step. 1 (default): one replica per device.
-      layout: with ``k > 1``, ``{path pattern: PartitionSpec}`` rules for tensor
-        parallelism; other leaves are split FSDP-style.
-      min_shard_bytes: with ``k > 1``, FSDP leaves below this size stay replicated.
+      devices_per_replica: the devices of one replica (``replica_mesh.py``): an int
+        ``k`` (one inner axis ``"model"``), ``"process"``, or named inner axes such as
+        ``{"fsdp": 4, "tensor": 2}``; the mesh is ``("replica", *inner axes)``, state
+        and batches split over a replica's devices by XLA inside every step. 1
+        (default): one replica per device.
+      layout: with inner axes, rules ``{path pattern: PartitionSpec}`` or a pytree of
+        specs (``layout.py``); other leaves are split FSDP-style.
+      logical_axis_rules: ``{logical name: inner axis or None}`` for specs written in
+        logical names (flax's ``nnx.with_partitioning``).
+      min_shard_bytes: with inner axes, FSDP leaves below this size stay replicated.
     """
 
     axis_name = "replica"
-    inner_axis_name = _layout.INNER_AXIS
+    inner_axis_name = replica_mesh.INNER_AXIS
 
     def __init__(
         self,
@@ -95,39 +101,51 @@ class Strategy(abc.ABC):
         cross_device_ops: CrossDeviceOps | None = None,
         *,
         max_in_flight: int = 2,
-        devices_per_replica: int | Literal["process"] = 1,
+        devices_per_replica: replica_mesh.DevicesPerReplica = 1,
         layout: _layout.LayoutRules | None = None,
+        logical_axis_rules: _layout.LogicalAxisRules | None = None,
         min_shard_bytes: int = sharded.DEFAULT_MIN_SHARD_BYTES,
     ) -> None:
         self._devices = tuple(devices)
-        k = _layout.check_devices_per_replica(devices_per_replica, self._devices)
-        if layout is not None and k == 1:
+        inner = replica_mesh.resolve_inner_axes(devices_per_replica, self._devices, self.axis_name)
+        if (layout is not None or logical_axis_rules is not None) and not inner:
             raise ValueError(
-                "`layout` lays state out over the devices of a replica, so it needs "
-                "devices_per_replica > 1. Received: layout with devices_per_replica=1."
+                "`layout` and `logical_axis_rules` lay state out over the devices of a "
+                "replica, so they need devices_per_replica > 1 or named inner axes. "
+                "Received: a layout with devices_per_replica=1."
             )
-        self._devices_per_replica = k
-        self._mesh = _layout.replica_mesh(self._devices, k, self.axis_name)
+        self._inner_axes = inner
+        self._devices_per_replica = k = math.prod(inner.values())
+        self._mesh = replica_mesh.replica_mesh(self._devices, inner, self.axis_name)
+        self._spans_processes = replica_mesh.spans_processes(self._devices, k)
         self._cross_device_ops = resolve(cross_device_ops)
         self._replicated = NamedSharding(self._mesh, P())
         # Stacked per-replica results: one row per replica, whole on each of its devices.
         self._stacked = NamedSharding(self._mesh, P(self.axis_name))
-        # Global batches: replica i's rows, split over replica i's devices.
-        batch_axes = self.axis_name if k == 1 else (self.axis_name, self.inner_axis_name)
-        self._split = NamedSharding(self._mesh, P(batch_axes))
-        # Where state lives: whole on every device (None), or a Layout over the inner axis
-        # (here) or over the replicas (shard_state, below).
+        # Global batches: replica i's rows, split over replica i's devices (in mesh
+        # order, so each process's devices hold a contiguous block of rows).
+        self._split = NamedSharding(self._mesh, P((self.axis_name, *inner) if inner else self.axis_name))
+        # Where state lives: whole on every device (None), or a Layout over the inner
+        # axes (here) or over the replicas (shard_state, below).
         self._layout: _layout.Layout | None = None
         min_shard_bytes = sharded.check_min_shard_bytes(min_shard_bytes)
-        if k > 1:
-            self._layout = _layout.Layout(self._mesh, self.inner_axis_name, layout, min_shard_bytes)
+        if inner:
+            fsdp = _layout.FSDP_AXIS if _layout.FSDP_AXIS in inner else next(iter(inner))
+            self._layout = _layout.Layout(
+                self._mesh,
+                fsdp,
+                layout,
+                min_shard_bytes,
+                axes=tuple(inner),
+                logical_axis_rules=logical_axis_rules,
+            )
         self._compiler = ReplicaCompiler(self, max_in_flight)
 
     def _set_shard_state(self, shard_state: bool | str, min_shard_bytes: int) -> None:
         """Data-parallel strategies' ``shard_state`` option (see ``strategy/sharded.py``):
         the FSDP layout over the replicas, between steps only."""
         sharded.check_shard_state(shard_state)
-        if shard_state and self._devices_per_replica > 1:
+        if shard_state and self._inner_axes:
             raise ValueError(
                 "shard_state splits the state over replicas between steps; with "
                 f"devices_per_replica={self._devices_per_replica} each replica already "
@@ -171,9 +189,19 @@ class Strategy(abc.ABC):
     # ------------------------------------------------------------------ basics
     @property
     def mesh(self) -> Mesh:
-        """The device mesh: one axis ``strategy.axis_name`` (a replica per device), or with
-        ``devices_per_replica > 1`` two, ``(axis_name, inner_axis_name)``."""
+        """The device mesh: one axis ``strategy.axis_name`` (a replica per device), or
+        ``(axis_name, *inner_axes)`` when a replica spans devices."""
         return self._mesh
+
+    @property
+    def inner_axes(self) -> dict[str, int]:
+        """A replica's named mesh, ``{axis: size}`` (empty: one replica per device).
+
+        Example:
+          >>> dt.MirroredStrategy(devices_per_replica={"fsdp": 4, "tensor": 2}).inner_axes
+          {'fsdp': 4, 'tensor': 2}
+        """
+        return dict(self._inner_axes)
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:
@@ -194,13 +222,15 @@ class Strategy(abc.ABC):
         return self._devices[replica_id * k : (replica_id + 1) * k]
 
     def _local_replicas(self) -> list[tuple[int, tuple[jax.Device, ...]]]:
-        """``(replica id, its devices)`` for this process's replicas (a replica's devices
-        are all in one process)."""
+        """``(replica id, its devices here)`` for the replicas with a device in this
+        process (a replica that spans processes is local to each of them)."""
         here = jax.process_index()
-        replicas = (
-            (i, self.replica_devices(i)) for i in range(self.num_replicas_in_sync)
-        )
-        return [(i, devices) for i, devices in replicas if devices[0].process_index == here]
+        out = []
+        for i in range(self.num_replicas_in_sync):
+            local = tuple(d for d in self.replica_devices(i) if d.process_index == here)
+            if local:
+                out.append((i, local))
+        return out
 
     @property
     def is_chief(self) -> bool:
@@ -216,8 +246,14 @@ class Strategy(abc.ABC):
         return context._enter_scope(self)
 
     def __repr__(self) -> str:
-        k = self._devices_per_replica
-        extra = f", devices_per_replica={k}" if k > 1 else ""
+        inner = self._inner_axes
+        extra = (
+            ""
+            if not inner
+            else f", devices_per_replica={self._devices_per_replica}"
+            if list(inner) == [self.inner_axis_name]
+            else f", devices_per_replica={inner}"
+        )
         return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync}{extra})"
 
     # -------------------------------------------------------------- placement
@@ -234,6 +270,9 @@ class Strategy(abc.ABC):
         """
         tree = check_placeable(tree)
         shardings = self.state_shardings(tree)
+        if self._layout is not None and self._layout.has_rules:
+            paths = [_layout.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+            self._layout.check_all_used(paths)
         return jax.device_put(jax.tree.map(_unaliased, tree, shardings), shardings)
 
     def state_shardings(self, tree: Any) -> Any:
@@ -257,12 +296,22 @@ class Strategy(abc.ABC):
         batches, the allocator's fragmentation). XLA:CPU's own
         ``peak_memory_in_bytes`` leaves temporaries out, hence the sum.
 
+        The arguments may be abstract (``jax.ShapeDtypeStruct`` trees, e.g. from
+        ``jax.eval_shape``): then nothing is allocated, so a model that would not fit
+        can be asked about. An abstract state leaf without a sharding is laid out as
+        ``put_replicated`` would place it; an abstract batch is one
+        ``distribute_batch`` made of ``ShapeDtypeStruct`` rows.
+
         Example:
           >>> strategy.memory_analysis(train_step, args=(state, batch))["peak_bytes"]
+          >>> abstract = jax.eval_shape(make_state)           # allocates nothing
+          >>> batch = strategy.distribute_batch(jax.ShapeDtypeStruct((64, 512), jnp.int32))
+          >>> strategy.memory_analysis(train_step, args=(abstract, batch))["peak_bytes"]
         """
         context.require_cross_replica(self, "memory_analysis")
         args, kwargs, _ = _checks.check_run_arguments(fn, args, kwargs, ())
-        m = self._compiler.compile(fn, args, kwargs or {}).memory_analysis()
+        args, kwargs = self._place_abstract((args, kwargs or {}))
+        m = self._compiler.compile(fn, args, kwargs).memory_analysis()
         parts = {
             "argument_bytes": int(m.argument_size_in_bytes),
             "output_bytes": int(m.output_size_in_bytes),
@@ -272,16 +321,56 @@ class Strategy(abc.ABC):
         peak = parts["argument_bytes"] + parts["output_bytes"] + parts["temp_bytes"]
         return {**parts, "peak_bytes": peak - parts["alias_bytes"]}
 
+    def _place_abstract(self, tree: Any) -> Any:
+        """``tree`` with each ``jax.ShapeDtypeStruct`` that has no sharding given the
+        one ``put_replicated`` would give it (per-replica leaves keep theirs)."""
+
+        def place(path: Any, x: Any) -> Any:
+            if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
+                sharding = self.state_sharding(tuple(x.shape), _layout.path_str(path))
+                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
+            return x
+
+        return jax.tree_util.tree_map_with_path(place, tree)
+
     def batch_sharding(self, rows: int) -> NamedSharding:
         """Where a global batch of ``rows`` rows lives: replica ``i``'s rows on replica
-        ``i``, split over its devices when they divide evenly (else whole on each)."""
+        ``i``, split over its devices when they divide evenly (else whole on each).
+
+        Raises:
+          ValueError: a replica spans processes and its rows do not divide over its
+            devices (each process feeds only its own devices' rows).
+        """
         k = self._devices_per_replica
         if k == 1 or (rows // self.num_replicas_in_sync) % k == 0:
             return self._split
+        if self._spans_processes:
+            raise ValueError(
+                f"A replica spans {k} devices of several processes, so each of its rows "
+                f"lives on one device: the rows per replica "
+                f"({rows} // {self.num_replicas_in_sync} = {rows // self.num_replicas_in_sync}) "
+                f"must be divisible by {k}. Use a global batch size divisible by "
+                f"{k * self.num_replicas_in_sync}."
+            )
         return self._stacked
 
     def distribute_batch(self, batch: Any) -> PerReplica:
-        """Splits one global batch (a pytree of arrays) across the replicas, in order."""
+        """Splits one global batch (a pytree of arrays) across the replicas, in order.
+
+        A batch of ``jax.ShapeDtypeStruct`` leaves gives an abstract per-replica batch
+        (nothing allocated) for :meth:`memory_analysis`.
+        """
+        leaves = jax.tree.leaves(batch)
+        if leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+            from distrain._src.data.batches import batch_size, per_replica_size
+
+            rows = batch_size(leaves, jax.tree.structure(batch))
+            per_replica_size(rows, self.num_replicas_in_sync)
+            sharding = self.batch_sharding(rows)
+            abstract = jax.tree.map(
+                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), batch
+            )
+            return PerReplica(abstract, self.num_replicas_in_sync)
         from distrain._src.data.placement import shard_global_batch
 
         return shard_global_batch(self, batch)
@@ -406,7 +495,7 @@ class Strategy(abc.ABC):
         """Whether ``x`` is an array held identically by every replica (where state lives)."""
         if not isinstance(x, jax.Array):
             return False
-        if self._devices_per_replica > 1:  # any layout inside the replicas, none across them
+        if self._inner_axes:  # any layout inside the replicas, none across them
             s = x.sharding
             return (
                 isinstance(s, NamedSharding)
@@ -450,7 +539,12 @@ class Strategy(abc.ABC):
         return jax.tree.map(one, value, is_leaf=_is_per_replica)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
-        """The components of ``value`` on this process's replicas, in replica order."""
+        """The components of ``value`` on this process's replicas, in replica order.
+
+        A replica that spans processes is local to each of them: its component of a
+        result of ``run`` is whole on every device of the replica, so each process gets
+        all of it; of a distributed batch, each process gets the rows it fed.
+        """
         context.require_cross_replica(self, "experimental_local_results")
         local = [devices for _, devices in self._local_replicas()]
 

@@ -1,37 +1,38 @@
-"""Where state lives on a strategy's devices: the mesh of replicas and the state layout.
+"""Where state lives on a replica's devices: layout rules, logical names, FSDP.
 
-``dt.MirroredStrategy(devices_per_replica=k)`` groups the devices into replicas of
-``k`` neighbouring devices: a mesh ``(num_replicas, k)`` with axes
-``("replica", "model")``. ``strategy.run`` is manual over ``"replica"`` (each replica
-runs the per-replica function, collectives cross replicas as before) and leaves
-``"model"`` to XLA's partitioner: inside a replica the function sees its values whole
-(a global view), while XLA keeps each large array split over the replica's devices,
-gathers a weight where it is used and reduce-scatters its gradient. So the same
-``train_step`` runs unchanged, and non-element-wise optimizer transforms
-(``clip_by_global_norm``) stay exact, because XLA computes them on the global values.
+A replica is a small named mesh (``replica_mesh.py``). Each state leaf gets a
+``PartitionSpec`` over the replica's inner axes (:class:`Layout`):
 
-Where a state leaf lives inside a replica (:class:`Layout`):
+* **rules** (tensor parallelism, 2-D layouts): ``{pattern: PartitionSpec}`` or
+  ``(pattern, spec)`` pairs; the first pattern that ``re.search``-es a leaf's path
+  (``"params/dense/kernel"``, keys joined by ``/``) gives its spec, e.g.
+  ``P(None, "tensor")`` to split a kernel's columns, ``P("fsdp", "tensor")`` for both,
+  ``P(("fsdp", "tensor"), None)`` for one dimension over two axes. Optimizer moments
+  have their parameter's path as a suffix (``"opt_state/0/mu/dense/kernel"``), so an
+  unanchored pattern lays them out like their parameter;
+* **a tree of specs** with the parameters' structure (flax's
+  ``nnx.get_partition_spec(nnx.state(model))``): each spec applies to the state leaves
+  whose path ends with its path (the parameter and its moments); an empty ``P()`` there
+  means "not annotated" (the FSDP default applies);
+* **logical names**: a spec may name logical axes (``P("embed", "mlp")``) that
+  ``logical_axis_rules={"embed": "fsdp", "mlp": "tensor", "batch": None}`` maps to mesh
+  axes (flax's logical naming);
+* **FSDP** (every other leaf): a leaf of at least ``min_shard_bytes`` (counted at 4 bytes
+  per element, so a bfloat16 parameter and its float32 moments agree) is split over the
+  FSDP axis (``"fsdp"`` when the replica has one, else its first inner axis) along its
+  largest dimension divisible by that axis's size (the first on ties); smaller or
+  indivisible leaves are replicated inside the replica. The largest dimension, not the
+  leading one: on the MLP 512-2048-10 over 8 devices the compiled step's peak was 0.13x
+  mirrored with it and 0.45x with the leading one (``benchmarks/replica_spans.py``).
 
-* **rules** (tensor parallelism): ``(pattern, PartitionSpec)`` pairs; the first pattern
-  that ``re.search``-es a leaf's path (``"params/dense/kernel"``, keys joined by ``/``)
-  gives its spec over the inner axis, e.g. ``P(None, "model")`` to split a kernel's
-  columns. Optimizer moments have their parameter's path as a suffix
-  (``"opt_state/0/mu/dense/kernel"``), so an unanchored pattern lays them out like
-  their parameter;
-* **FSDP** (the default for every other leaf): a leaf of at least ``min_shard_bytes``
-  (counted at 4 bytes per element, so a bfloat16 parameter and its float32 moments
-  agree) is split over the ``k`` devices along its largest dimension divisible by ``k``
-  (the first on ties); smaller or indivisible leaves are replicated inside the replica.
-  The largest dimension, not the leading one: on the MLP 512-2048-10 over 8 devices the
-  compiled step's peak was 0.13x mirrored with it and 0.45x with the leading one
-  (``benchmarks/replica_spans.py``), since XLA then splits the large matmuls' outputs.
-
-Batches are split over every device: replica ``i``'s rows over its ``k`` devices.
+Every rule, tree entry and logical name must be used: one that matches no leaf of the
+state placed with ``put_replicated`` is an error, as are names the mesh lacks and splits
+that do not divide a dimension (a layout that silently matches nothing leaves a model
+replicated until it runs out of memory).
 
 ``shard_state`` (one replica per device, state split across replicas *between* steps
-only) is the same FSDP rule applied over the replica axis instead of the inner one: a
-:class:`Layout` over ``"replica"`` (or, for ``"process"``, over the devices of each
-process). Inside a step XLA gathers such a leaf whole on every replica.
+only) is the same FSDP rule over the replica axis: a :class:`Layout` over ``"replica"``
+(or, for ``"process"``, over the devices of each process).
 """
 
 from __future__ import annotations
@@ -39,67 +40,16 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Literal, final
+from typing import Any, final
 
 import jax
-import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-INNER_AXIS = "model"
+FSDP_AXIS = "fsdp"
 
-LayoutRules = Mapping[str, Any] | Iterable[tuple[str, Any]]
-
-
-def check_devices_per_replica(
-    value: int | Literal["process"], devices: Sequence[jax.Device]
-) -> int:
-    """``devices_per_replica`` as a number that groups the devices into neighbours.
-
-    ``"process"`` is the number of devices of each process (one replica per process).
-    A replica's devices are consecutive in ``devices`` (process order) and stay inside
-    one process: ``k`` must divide the devices of every process.
-    """
-    per_process: dict[int, int] = {}
-    for d in devices:
-        per_process[d.process_index] = per_process.get(d.process_index, 0) + 1
-    local = set(per_process.values())
-    if value == "process":
-        if len(local) != 1:
-            raise ValueError(
-                "devices_per_replica='process' needs the same number of devices in every "
-                f"process. Received: devices per process {per_process}."
-            )
-        return local.pop()
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < 1:
-        raise ValueError(
-            "`devices_per_replica` must be a positive int or 'process'. Received: "
-            f"devices_per_replica={value!r}."
-        )
-    k, n = int(value), len(devices)
-    if n % k:
-        raise ValueError(
-            f"devices_per_replica={k} must divide the number of devices ({n}): each "
-            f"replica gets k devices. Valid: {[d for d in range(1, n + 1) if n % d == 0]}."
-        )
-    if any(c % k for c in local):
-        raise ValueError(
-            f"devices_per_replica={k} must divide the devices of every process (devices "
-            f"per process: {sorted(per_process.values())}): a replica stays inside one "
-            "process. Use a divisor of them, or 'process' for one replica per process."
-        )
-    return k
-
-
-def replica_mesh(devices: Sequence[jax.Device], k: int, axis: str) -> Mesh:
-    """The strategy's mesh: 1-D ``(axis,)`` for ``k == 1`` (today's data parallelism,
-    no added cost), else ``(replicas, k)`` with axes ``(axis, INNER_AXIS)``."""
-    grid = np.array(devices, dtype=object)
-    if k == 1:
-        return Mesh(grid, (axis,), axis_types=(AxisType.Auto,))
-    return Mesh(
-        grid.reshape(-1, k), (axis, INNER_AXIS), axis_types=(AxisType.Auto, AxisType.Auto)
-    )
+LayoutRules = Mapping[str, Any] | Iterable[tuple[str, Any]] | Any
+LogicalAxisRules = Mapping[str, Any] | Iterable[tuple[str, Any]]
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -115,43 +65,145 @@ def path_str(path: Sequence[Any]) -> str:
     return "/".join(parts)
 
 
+def _is_spec(x: Any) -> bool:
+    return isinstance(x, P)
+
+
+class _Rule:
+    """One layout entry: a regular expression, or (from a tree) an exact path suffix."""
+
+    __slots__ = ("name", "regex", "suffix", "spec", "used")
+
+    def __init__(self, name: str, spec: P, *, regex: re.Pattern[str] | None) -> None:
+        self.name, self.spec, self.regex, self.used = name, spec, regex, False
+        self.suffix = None if regex is not None else _strip_value(name)
+
+    def matches(self, path: str) -> bool:
+        if self.regex is not None:
+            return bool(path) and self.regex.search(path) is not None
+        p = _strip_value(path)
+        return p == self.suffix or p.endswith("/" + self.suffix)
+
+
+def _strip_value(path: str) -> str:
+    # flax NNX states end a parameter's path with its ".value" attribute; pure dicts do not.
+    return path[: -len("/value")] if path.endswith("/value") else path
+
+
 @final
 class Layout:
-    """Where each state leaf lives: split over ``axis`` of ``mesh`` (module docstring).
+    """Where each state leaf lives inside a replica (module docstring).
 
     Args:
       mesh: the mesh the state lives on.
-      axis: the axis leaves are split over (``k`` pieces): the inner axis of replicas
-        that span devices, or the replica axis for ``shard_state``.
-      rules: ``{pattern: PartitionSpec}`` or ``(pattern, PartitionSpec)`` pairs; specs
-        name only ``axis`` (or ``None``), one entry per dimension at most.
+      fsdp_axis: the axis leaves without a rule are split over.
+      rules: regex rules (``{pattern: spec}`` or pairs), or a pytree of specs.
       min_shard_bytes: FSDP leaves below this size stay whole.
+      axes: the axes specs may name (default: ``(fsdp_axis,)``).
+      logical_axis_rules: ``{logical name: mesh axis, tuple of axes, or None}``.
 
     Raises:
-      ValueError: a pattern that is not a valid regular expression, or a spec naming
-        another axis.
+      ValueError: a pattern that is not a regular expression, a spec naming an axis the
+        replica lacks or a logical name without a rule, a logical rule to an unknown axis.
     """
 
     def __init__(
-        self, mesh: Mesh, axis: str, rules: LayoutRules | None, min_shard_bytes: int
+        self,
+        mesh: Mesh,
+        fsdp_axis: str,
+        rules: LayoutRules | None,
+        min_shard_bytes: int,
+        *,
+        axes: Sequence[str] | None = None,
+        logical_axis_rules: LogicalAxisRules | None = None,
     ) -> None:
-        self.k = mesh.shape[axis]
-        self.axis = axis
+        self.k = mesh.shape[fsdp_axis]
+        self.axis = fsdp_axis
         self.min_shard_bytes = min_shard_bytes
         self._mesh = mesh
-        self._rules = [(_compile(p), _check_spec(p, s, axis)) for p, s in _pairs(rules)]
+        self._axes = tuple(axes) if axes is not None else (fsdp_axis,)
+        self._logical = _logical_rules(logical_axis_rules, self._axes)
+        self._logical_used: set[str] = set()
+        self._rules = [
+            _Rule(name, self._translate(name, spec), regex=regex)
+            for name, spec, regex in _entries(rules)
+        ]
+
+    @property
+    def has_rules(self) -> bool:
+        return bool(self._rules)
 
     def sharding(self, shape: tuple[int, ...], path: str = "") -> NamedSharding:
         """The sharding of a state leaf of ``shape`` at ``path``.
 
         Raises:
           ValueError: a rule's spec has more entries than the leaf has dimensions, or
-            splits a dimension not divisible by ``k`` (the message names the path).
+            splits a dimension not divisible by its axes' size (the message names both).
         """
-        for pattern, spec in self._rules:
-            if path and pattern.search(path):
-                return NamedSharding(self._mesh, self._fit(spec, shape, path, pattern.pattern))
+        for rule in self._rules:
+            if rule.matches(path):
+                rule.used = True
+                return NamedSharding(self._mesh, self._fit(rule, shape, path))
         return NamedSharding(self._mesh, self._fsdp(shape))
+
+    def check_all_used(self, paths: Sequence[str]) -> None:
+        """Raises unless every rule matched a leaf (of ``paths``, the placed tree's) and
+        every logical rule was used by a spec."""
+        unused = [r.name for r in self._rules if not any(r.matches(p) for p in paths)]
+        if unused:
+            shown = ", ".join(repr(p) for p in paths[:8]) + (", ..." if len(paths) > 8 else "")
+            raise ValueError(
+                f"Layout entries {unused} match no leaf of the state being placed (its "
+                f"paths: {shown}). Every layout rule must lay out something: fix the "
+                "pattern or path, remove the entry, or place the whole state in one "
+                "put_replicated call."
+            )
+        unused_logical = sorted(set(self._logical) - self._logical_used)
+        if unused_logical:
+            raise ValueError(
+                f"logical_axis_rules names {unused_logical}, which no layout spec uses. "
+                f"Remove them, or use them in a spec. Logical names in use: "
+                f"{sorted(self._logical_used)}."
+            )
+
+    def _translate(self, name: str, spec: Any) -> P:
+        """``spec`` over mesh axes: logical names mapped, every name checked."""
+        if isinstance(spec, tuple | list) and not isinstance(spec, P):
+            spec = P(*spec)
+        if not isinstance(spec, P):
+            raise ValueError(
+                f"Layout entry {name!r} must give a jax.sharding.PartitionSpec (or a tuple). "
+                f"Received: {spec!r}."
+            )
+        entries: list[Any] = []
+        for entry in spec:
+            names: list[str] = []
+            for n in entry if isinstance(entry, tuple) else (entry,):
+                if n is None:
+                    continue
+                if n in self._axes:
+                    names.append(n)
+                elif n in self._logical:
+                    self._logical_used.add(n)
+                    names.extend(self._logical[n])
+                else:
+                    hint = (
+                        f" or a logical name of logical_axis_rules {sorted(self._logical)}"
+                        if self._logical
+                        else " (or give logical_axis_rules for logical names)"
+                    )
+                    raise ValueError(
+                        f"Layout entry {name!r} -> {spec} names {n!r}, which is neither an "
+                        f"axis of the replica {list(self._axes)}{hint}. Specs lay a leaf out "
+                        "inside a replica, over its inner axes."
+                    )
+            if len(set(names)) != len(names) or set(names) & set(_flat(entries)):
+                raise ValueError(
+                    f"Layout entry {name!r} -> {spec} uses an axis twice (after logical "
+                    "names are mapped): each axis may split one dimension."
+                )
+            entries.append(None if not names else names[0] if len(names) == 1 else tuple(names))
+        return P(*entries)
 
     def _fsdp(self, shape: tuple[int, ...]) -> P:
         if self.k == 1 or 4 * math.prod(shape) < self.min_shard_bytes:
@@ -162,34 +214,69 @@ class Layout:
         dim = max(divisible, key=lambda i: (shape[i], -i))  # largest, first on ties
         return P(*([None] * dim), self.axis)
 
-    def _fit(self, spec: P, shape: tuple[int, ...], path: str, pattern: str) -> P:
+    def _fit(self, rule: _Rule, shape: tuple[int, ...], path: str) -> P:
+        spec = rule.spec
         if len(spec) > len(shape):
             raise ValueError(
-                f"Layout rule {pattern!r} -> {spec} has {len(spec)} entries, but the leaf "
+                f"Layout entry {rule.name!r} -> {spec} has {len(spec)} entries, but the leaf "
                 f"{path!r} has shape {shape} ({len(shape)} dimensions). Give one entry per "
                 "dimension at most, or make the pattern match fewer leaves."
             )
         for dim, entry in enumerate(spec):
-            if entry is not None and shape[dim] % self.k:
+            size = math.prod(self._mesh.shape[a] for a in _flat([entry]))
+            if shape[dim] % size:
                 raise ValueError(
-                    f"Layout rule {pattern!r} -> {spec} splits dimension {dim} of {path!r} "
-                    f"(shape {shape}) over {self.k} devices, but {shape[dim]} is not "
-                    f"divisible by {self.k}. Split another dimension or leave it None."
+                    f"Layout entry {rule.name!r} -> {spec} splits dimension {dim} of {path!r} "
+                    f"(shape {shape}) over {size} devices ({entry!r}), but {shape[dim]} is "
+                    f"not divisible by {size}. Split another dimension or leave it None."
                 )
         return spec
 
 
-def _pairs(rules: LayoutRules | None) -> list[tuple[str, Any]]:
+def _flat(entries: Iterable[Any]) -> list[str]:
+    out: list[str] = []
+    for e in entries:
+        if isinstance(e, tuple):
+            out.extend(e)
+        elif e is not None:
+            out.append(e)
+    return out
+
+
+def _entries(rules: LayoutRules | None) -> list[tuple[str, Any, re.Pattern[str] | None]]:
+    """``(name, spec, regex or None)``: regex rules from a flat mapping or pairs, exact
+    path suffixes from any other pytree of specs."""
     if rules is None:
         return []
-    items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
-    for item in items:
-        if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
+    if isinstance(rules, Mapping) and all(
+        isinstance(k, str) and not isinstance(v, Mapping) for k, v in rules.items()
+    ):  # flat: patterns to specs (a tree of specs nests mappings)
+        return [(k, v, _compile(k)) for k, v in rules.items()]
+    if isinstance(rules, list | tuple) and all(isinstance(i, tuple) for i in rules):
+        for item in rules:
+            if not (len(item) == 2 and isinstance(item[0], str)):
+                raise ValueError(
+                    "`layout` must map path patterns (str) to PartitionSpecs: a dict or "
+                    f"(pattern, spec) pairs, or a pytree of specs. Received an item {item!r}."
+                )
+        return [(k, v, _compile(k)) for k, v in rules]
+    flat, _ = jax.tree_util.tree_flatten_with_path(rules, is_leaf=_is_spec)
+    out = []
+    for path, spec in flat:
+        if not _is_spec(spec):
             raise ValueError(
-                "`layout` must map path patterns (str) to PartitionSpecs: a dict or "
-                f"(pattern, spec) pairs. Received an item {item!r}."
+                "`layout` as a pytree must have PartitionSpec leaves (or None), e.g. "
+                "nnx.get_partition_spec(nnx.state(model)). Received a leaf "
+                f"{spec!r} at {path_str(path)!r}."
             )
-    return items
+        if len(spec):  # P(): not annotated, the default applies
+            out.append((path_str(path), spec, None))
+    if not out and not isinstance(rules, Mapping):
+        raise ValueError(
+            f"`layout` must be a mapping of patterns to PartitionSpecs, (pattern, spec) "
+            f"pairs, or a pytree of PartitionSpecs. Received: {rules!r}."
+        )
+    return out
 
 
 def _compile(pattern: str) -> re.Pattern[str]:
@@ -199,20 +286,27 @@ def _compile(pattern: str) -> re.Pattern[str]:
         raise ValueError(f"Layout pattern {pattern!r} is not a regular expression: {e}.") from None
 
 
-def _check_spec(pattern: str, spec: Any, axis: str) -> P:
-    if isinstance(spec, tuple | list) and not isinstance(spec, P):
-        spec = P(*spec)
-    if not isinstance(spec, P):
-        raise ValueError(
-            f"Layout rule {pattern!r} must give a jax.sharding.PartitionSpec (or a tuple). "
-            f"Received: {spec!r}."
-        )
-    for entry in spec:
-        names = entry if isinstance(entry, tuple) else (entry,)
-        if any(name not in (None, axis) for name in names):
+def _logical_rules(rules: LogicalAxisRules | None, axes: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """``{logical name: mesh axes}`` from a mapping or flax's ``(name, axis)`` pairs."""
+    if rules is None:
+        return {}
+    items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
+    out: dict[str, tuple[str, ...]] = {}
+    for item in items:
+        if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)):
             raise ValueError(
-                f"Layout rule {pattern!r} -> {spec} names axes other than {axis!r}: "
-                "rules lay a leaf out inside a replica, over its devices. Use "
-                f"{axis!r} or None for each dimension."
+                "`logical_axis_rules` must map logical names (str) to a mesh axis, a tuple "
+                f"of axes or None. Received an item {item!r}."
             )
-    return spec
+        name, target = item
+        targets = () if target is None else tuple(target) if isinstance(target, tuple | list) else (target,)
+        bad = [t for t in targets if t not in axes]
+        if bad:
+            raise ValueError(
+                f"logical_axis_rules maps {name!r} to {bad}, which the replica lacks: its "
+                f"inner axes are {list(axes)}. Map it to one of them, or to None (replicated)."
+            )
+        if name in out:
+            raise ValueError(f"logical_axis_rules names {name!r} twice; give one rule per name.")
+        out[name] = targets
+    return out

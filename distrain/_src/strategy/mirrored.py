@@ -10,7 +10,8 @@ import jax
 from distrain._src.cross_device_ops import CrossDeviceOps
 from distrain._src.strategy.base import Strategy
 from distrain._src.strategy.devices import DeviceSpec, parse_devices
-from distrain._src.strategy.layout import LayoutRules
+from distrain._src.strategy.layout import LayoutRules, LogicalAxisRules
+from distrain._src.strategy.replica_mesh import DevicesPerReplica
 from distrain._src.strategy.sharded import DEFAULT_MIN_SHARD_BYTES
 
 
@@ -51,14 +52,16 @@ class MirroredStrategy(Strategy):
         *,
         shard_state: bool | Literal["process"] = False,
         min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
-        devices_per_replica: int | Literal["process"] = 1,
+        devices_per_replica: DevicesPerReplica = 1,
         layout: LayoutRules | None = None,
+        logical_axis_rules: LogicalAxisRules | None = None,
     ) -> None:
         super().__init__(
             parse_devices(devices),
             cross_device_ops,
             devices_per_replica=devices_per_replica,
             layout=layout,
+            logical_axis_rules=logical_axis_rules,
             min_shard_bytes=min_shard_bytes,
         )
         self._set_shard_state(shard_state, min_shard_bytes)

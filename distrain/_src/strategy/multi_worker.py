@@ -35,7 +35,8 @@ from distrain._src.cluster.base import ClusterResolver
 from distrain._src.cluster.communication import CommunicationOptions
 from distrain._src.cluster.runtime import initialize_distributed
 from distrain._src.strategy.base import Strategy
-from distrain._src.strategy.layout import LayoutRules
+from distrain._src.strategy.layout import LayoutRules, LogicalAxisRules
+from distrain._src.strategy.replica_mesh import DevicesPerReplica
 from distrain._src.strategy.sharded import DEFAULT_MIN_SHARD_BYTES
 
 
@@ -83,8 +84,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         *,
         shard_state: bool | Literal["process"] = False,
         min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
-        devices_per_replica: int | Literal["process"] = 1,
+        devices_per_replica: DevicesPerReplica = 1,
         layout: LayoutRules | None = None,
+        logical_axis_rules: LogicalAxisRules | None = None,
     ) -> None:
         if communication_options is not None and not isinstance(
             communication_options, CommunicationOptions
@@ -109,6 +111,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             sorted(jax.devices(), key=lambda d: (d.process_index, d.id)),
             devices_per_replica=devices_per_replica,
             layout=layout,
+            logical_axis_rules=logical_axis_rules,
             min_shard_bytes=min_shard_bytes,
         )
         self._set_shard_state(shard_state, min_shard_bytes)
