@@ -69,7 +69,12 @@ class StrategyConfig(_Section):
         optimizer state split over the devices (``true``), or over each process's
         devices with a copy per process (``process``; docs/scaling.md).
       devices_per_replica: for ``mirrored``/``multi_worker_mirrored``: devices each
-        replica spans (FSDP inside a replica; ``process``: one replica per process).
+        replica spans (FSDP inside a replica; ``process``: one replica per process), or
+        its named inner axes, e.g. ``{fsdp: 4, tensor: 2}`` (docs/scaling.md).
+      layout: with ``devices_per_replica``: ``{path pattern: spec}`` rules, a spec being
+        a list with one entry per dimension: an inner axis, a list of axes, a logical
+        name or ``null``, e.g. ``{"mlp/fc/kernel": [fsdp, tensor]}``.
+      logical_axis_rules: ``{logical name: inner axis, list of axes or null}``.
     """
 
     name: Literal[
@@ -77,11 +82,18 @@ class StrategyConfig(_Section):
     ] = "mirrored"
     devices: list[str] | None = None
     shard_state: bool | Literal["process"] = False
-    devices_per_replica: pydantic.PositiveInt | Literal["process"] = 1
+    devices_per_replica: pydantic.PositiveInt | Literal["process"] | dict[str, pydantic.PositiveInt] = 1
+    layout: dict[str, list[str | list[str] | None]] | None = None
+    logical_axis_rules: dict[str, str | list[str] | None] | None = None
 
     @pydantic.model_validator(mode="after")
     def _layouts_need_data_parallel(self) -> StrategyConfig:
-        for field, off in (("shard_state", False), ("devices_per_replica", 1)):
+        for field, off in (
+            ("shard_state", False),
+            ("devices_per_replica", 1),
+            ("layout", None),
+            ("logical_axis_rules", None),
+        ):
             if getattr(self, field) != off and self.name not in (
                 "mirrored",
                 "multi_worker_mirrored",
@@ -89,9 +101,34 @@ class StrategyConfig(_Section):
                 raise ConfigError(
                     f"strategy.{field} applies to strategy.name mirrored or "
                     f"multi_worker_mirrored. Received: strategy.name={self.name!r}; set "
-                    f"strategy.{field}={str(off).lower()} or change the strategy."
+                    f"strategy.{field}={'null' if off is None else str(off).lower()} or "
+                    "change the strategy."
                 )
         return self
+
+    def layout_kwargs(self) -> dict[str, Any]:
+        """``devices_per_replica``, ``layout`` (specs as PartitionSpecs) and
+        ``logical_axis_rules``, as the strategy takes them."""
+        from jax.sharding import PartitionSpec as P
+
+        def entry(e: str | list[str] | None) -> str | tuple[str, ...] | None:
+            return tuple(e) if isinstance(e, list) else e
+
+        layout = (
+            None
+            if self.layout is None
+            else {k: P(*(entry(e) for e in v)) for k, v in self.layout.items()}
+        )
+        logical = (
+            None
+            if self.logical_axis_rules is None
+            else {k: entry(v) for k, v in self.logical_axis_rules.items()}
+        )
+        return {
+            "devices_per_replica": self.devices_per_replica,
+            "layout": layout,
+            "logical_axis_rules": logical,
+        }
 
 
 class ModelConfig(_Section):

@@ -103,11 +103,7 @@ def build_strategy(cfg: StrategyConfig) -> Strategy:
     import distrain as dt
 
     if cfg.name == "mirrored":
-        return dt.MirroredStrategy(
-            cfg.devices,
-            shard_state=cfg.shard_state,
-            devices_per_replica=cfg.devices_per_replica,
-        )
+        return dt.MirroredStrategy(cfg.devices, shard_state=cfg.shard_state, **cfg.layout_kwargs())
     if cfg.name == "one_device":
         return dt.OneDeviceStrategy(cfg.devices[0] if cfg.devices else jax.devices()[0])
     if cfg.name == "default":
@@ -121,9 +117,7 @@ def build_strategy(cfg: StrategyConfig) -> Strategy:
             )
         return current
     if cfg.name == "multi_worker_mirrored":
-        return dt.MultiWorkerMirroredStrategy(
-            shard_state=cfg.shard_state, devices_per_replica=cfg.devices_per_replica
-        )
+        return dt.MultiWorkerMirroredStrategy(shard_state=cfg.shard_state, **cfg.layout_kwargs())
     return dt.experimental.CentralStorageStrategy(compute_devices=cfg.devices)
 
 
