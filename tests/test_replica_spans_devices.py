@@ -9,7 +9,6 @@ checkpoints and an exact resume across layouts, collectives with one replica, th
 errors, and 2 processes x 4 devices against 1 x 8.
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -110,10 +109,16 @@ def test_memory_falls_with_devices_per_replica(devices):
         dist = strategy.distribute_batch(batch)
         analysis = strategy.memory_analysis(train_step, args=(state, dist))
         assert set(analysis) == {
-            "argument_bytes", "output_bytes", "temp_bytes", "alias_bytes", "peak_bytes"
+            "argument_bytes",
+            "output_bytes",
+            "temp_bytes",
+            "alias_bytes",
+            "peak_bytes",
         }
         assert analysis["peak_bytes"] == (
-            analysis["argument_bytes"] + analysis["output_bytes"] + analysis["temp_bytes"]
+            analysis["argument_bytes"]
+            + analysis["output_bytes"]
+            + analysis["temp_bytes"]
             - analysis["alias_bytes"]
         )
         report[k] = (strategy.memory_report(state)["bytes_per_device"], analysis["peak_bytes"])
@@ -211,8 +216,11 @@ def test_collectives_with_one_replica_of_eight_devices(devices):
     def fn(x):
         ctx = dt.get_replica_context()
         total = ctx.all_reduce("sum", x)
-        return total, ctx.all_gather(x, axis=0), ctx.replica_id_in_sync_group, jax.lax.psum(
-            x, strategy.axis_name
+        return (
+            total,
+            ctx.all_gather(x, axis=0),
+            ctx.replica_id_in_sync_group,
+            jax.lax.psum(x, strategy.axis_name),
         )
 
     x = jnp.arange(16.0).reshape(8, 2)
@@ -257,7 +265,7 @@ def test_tensor_parallel_rules_lay_out_parameters_and_their_moments(devices):
 
 
 def test_errors(devices):
-    with pytest.raises(ValueError, match=r"=3 needs 3 devices .* must divide .* \(8\).*\[1, 2, 4, 8\]"):
+    with pytest.raises(ValueError, match=r"=3 needs 3 devices .* \(8\).*\[1, 2, 4, 8\]"):
         dt.MirroredStrategy(devices_per_replica=3)
     for bad in (0, -2, True, "all", 2.0):
         with pytest.raises(ValueError, match=r"positive int, 'process', or a mapping.*Received"):
@@ -266,7 +274,9 @@ def test_errors(devices):
         dt.MirroredStrategy(layout={"w": P("model")})
     with pytest.raises(ValueError, match="not a regular expression"):
         dt.MirroredStrategy(devices_per_replica=2, layout={"(": P("model")})
-    with pytest.raises(ValueError, match=r"names 'replica', which is neither an axis of the replica \['model'\]"):
+    with pytest.raises(
+        ValueError, match=r"'replica', which is neither an axis of the replica \['model'\]"
+    ):
         dt.MirroredStrategy(devices_per_replica=2, layout={"w": P("replica")})
     with pytest.raises(ValueError, match="must give a jax.sharding.PartitionSpec"):
         dt.MirroredStrategy(devices_per_replica=2, layout={"w": "model"})
@@ -280,7 +290,7 @@ def test_errors(devices):
     strategy = dt.MirroredStrategy(
         devices[:3], devices_per_replica=3, layout={"out/kernel": P(None, "model")}
     )
-    with pytest.raises(ValueError, match=r"dimension 1 of 'out/kernel' \(shape \(256, 8\)\) over 3"):
+    with pytest.raises(ValueError, match=r"dimension 1 of 'out/kernel' \(shape \(256, 8\)\)"):
         strategy.put_replicated(mlp_state().params)
     with pytest.raises(TypeError, match="needs a function as `fn`"):
         strategy.memory_analysis(42)

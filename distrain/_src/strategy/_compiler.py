@@ -181,8 +181,8 @@ class ReplicaCompiler:
             program = _Program(jax.jit(global_fn, donate_argnums=donated), flat, static_idx)
             self._compiled[full_key] = program
         self._programs[key] = program
-        static = set(static_idx)
-        return program, [x for i, x in enumerate(flat) if i not in static]
+        skip = set(static_idx)
+        return program, [x for i, x in enumerate(flat) if i not in skip]
 
     def _global_fn(self, fn, treedef, flat, static_idx) -> Callable[..., Any]:
         strategy = self._strategy
@@ -198,6 +198,7 @@ class ReplicaCompiler:
 
         def in_mesh() -> contextlib.AbstractContextManager[Any]:
             return jax.sharding.use_abstract_mesh(abstract) if spans else contextlib.nullcontext()
+
         static = {i: flat[i] for i in static_idx}
         n_leaves = len(flat)
 

@@ -4,7 +4,8 @@ Who owns what (one concept per module):
 
 * ``Strategy`` (this module) is the abstract interface users program against: the
   device mesh (one replica per device, or a named mesh of devices per replica: see
-  ``replica_mesh.py``; state laid out inside it by ``layout.py``), the layout hook :meth:`Strategy.state_sharding` (where a state leaf
+  ``replica_mesh.py``; state laid out inside it by ``layout.py``), the layout hook
+  :meth:`Strategy.state_sharding` (where a state leaf
   lives) that each concrete strategy fills, and the tf.distribute methods (``run``,
   ``reduce``, ``gather``, ``experimental_local_results``, the distribute methods).
   Global batches are always split over the replicas, in replica order (and over each
@@ -31,7 +32,7 @@ import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
-from typing import Any, Literal
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -42,10 +43,9 @@ from jax.sharding import PartitionSpec as P
 from distrain._src import context
 from distrain._src.context import ReduceOp
 from distrain._src.cross_device_ops import CrossDeviceOps, resolve
-from distrain._src.strategy import _checks, sharded
+from distrain._src.strategy import _checks, replica_mesh, sharded
 from distrain._src.strategy import _cross_replica as xr
 from distrain._src.strategy import layout as _layout
-from distrain._src.strategy import replica_mesh
 from distrain._src.strategy._checks import check_placeable
 from distrain._src.strategy._compiler import ReplicaCompiler
 from distrain._src.values import PerReplica
@@ -124,7 +124,9 @@ class Strategy(abc.ABC):
         self._stacked = NamedSharding(self._mesh, P(self.axis_name))
         # Global batches: replica i's rows, split over replica i's devices (in mesh
         # order, so each process's devices hold a contiguous block of rows).
-        self._split = NamedSharding(self._mesh, P((self.axis_name, *inner) if inner else self.axis_name))
+        self._split = NamedSharding(
+            self._mesh, P((self.axis_name, *inner) if inner else self.axis_name)
+        )
         # Where state lives: whole on every device (None), or a Layout over the inner
         # axes (here) or over the replicas (shard_state, below).
         self._layout: _layout.Layout | None = None
@@ -269,10 +271,15 @@ class Strategy(abc.ABC):
           TypeError: a leaf that is not an array or a number (the message names it).
         """
         tree = check_placeable(tree)
-        shardings = self.state_shardings(tree)
         if self._layout is not None and self._layout.has_rules:
             paths = [_layout.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
             self._layout.check_all_used(paths)
+        return self._place_state(tree)
+
+    def _place_state(self, tree: Any) -> Any:
+        """``put_replicated`` without the check that every layout rule matches (for
+        arrays the framework keeps like state, e.g. a dataset on the devices)."""
+        shardings = self.state_shardings(tree)
         return jax.device_put(jax.tree.map(_unaliased, tree, shardings), shardings)
 
     def state_shardings(self, tree: Any) -> Any:
@@ -310,8 +317,8 @@ class Strategy(abc.ABC):
         """
         context.require_cross_replica(self, "memory_analysis")
         args, kwargs, _ = _checks.check_run_arguments(fn, args, kwargs, ())
-        args, kwargs = self._place_abstract((args, kwargs or {}))
-        m = self._compiler.compile(fn, args, kwargs).memory_analysis()
+        placed, kw = self._place_abstract((tuple(args), kwargs or {}))
+        m = self._compiler.compile(fn, placed, kw).memory_analysis()
         parts = {
             "argument_bytes": int(m.argument_size_in_bytes),
             "output_bytes": int(m.output_size_in_bytes),

@@ -81,8 +81,8 @@ class _Rule:
     def matches(self, path: str) -> bool:
         if self.regex is not None:
             return bool(path) and self.regex.search(path) is not None
-        p = _strip_value(path)
-        return p == self.suffix or p.endswith("/" + self.suffix)
+        p, suffix = _strip_value(path), self.suffix or ""
+        return p == suffix or p.endswith("/" + suffix)
 
 
 def _strip_value(path: str) -> str:
@@ -261,7 +261,7 @@ def _entries(rules: LayoutRules | None) -> list[tuple[str, Any, re.Pattern[str] 
                 )
         return [(k, v, _compile(k)) for k, v in rules]
     flat, _ = jax.tree_util.tree_flatten_with_path(rules, is_leaf=_is_spec)
-    out = []
+    out: list[tuple[str, Any, re.Pattern[str] | None]] = []
     for path, spec in flat:
         if not _is_spec(spec):
             raise ValueError(
@@ -286,7 +286,9 @@ def _compile(pattern: str) -> re.Pattern[str]:
         raise ValueError(f"Layout pattern {pattern!r} is not a regular expression: {e}.") from None
 
 
-def _logical_rules(rules: LogicalAxisRules | None, axes: Sequence[str]) -> dict[str, tuple[str, ...]]:
+def _logical_rules(
+    rules: LogicalAxisRules | None, axes: Sequence[str]
+) -> dict[str, tuple[str, ...]]:
     """``{logical name: mesh axes}`` from a mapping or flax's ``(name, axis)`` pairs."""
     if rules is None:
         return {}
@@ -299,7 +301,13 @@ def _logical_rules(rules: LogicalAxisRules | None, axes: Sequence[str]) -> dict[
                 f"of axes or None. Received an item {item!r}."
             )
         name, target = item
-        targets = () if target is None else tuple(target) if isinstance(target, tuple | list) else (target,)
+        targets = (
+            ()
+            if target is None
+            else tuple(target)
+            if isinstance(target, tuple | list)
+            else (target,)
+        )
         bad = [t for t in targets if t not in axes]
         if bad:
             raise ValueError(

@@ -119,9 +119,7 @@ def replica_mesh(devices: Sequence[jax.Device], inner: Mapping[str, int], axis: 
     ``(axis, *inner)``; every axis is ``Auto`` (``run`` makes ``axis`` manual)."""
     grid = np.array(devices, dtype=object)
     names = (axis, *inner)
-    return Mesh(
-        grid.reshape(-1, *inner.values()), names, axis_types=(AxisType.Auto,) * len(names)
-    )
+    return Mesh(grid.reshape(-1, *inner.values()), names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def spans_processes(devices: Sequence[jax.Device], k: int) -> bool:

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from distrain._src.data.pipeline import ArrayPipeline, flat_arrays, unflatten
+from distrain._src.strategy._checks import check_placeable
 
 if TYPE_CHECKING:
     from distrain._src.strategy.base import Strategy
@@ -51,7 +52,7 @@ class Resident:
 
     def __init__(self, strategy: Strategy, pipeline: ArrayPipeline) -> None:
         self.pipeline = pipeline
-        self.arrays = strategy.put_replicated(flat_arrays(pipeline))
+        self.arrays = strategy._place_state(check_placeable(flat_arrays(pipeline)))
         self.mask_key = pipeline.mask_key
 
     def index_pipeline(self) -> ArrayPipeline:

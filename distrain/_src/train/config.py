@@ -82,7 +82,9 @@ class StrategyConfig(_Section):
     ] = "mirrored"
     devices: list[str] | None = None
     shard_state: bool | Literal["process"] = False
-    devices_per_replica: pydantic.PositiveInt | Literal["process"] | dict[str, pydantic.PositiveInt] = 1
+    devices_per_replica: (
+        pydantic.PositiveInt | Literal["process"] | dict[str, pydantic.PositiveInt]
+    ) = 1
     layout: dict[str, list[str | list[str] | None]] | None = None
     logical_axis_rules: dict[str, str | list[str] | None] | None = None
 
@@ -335,6 +337,7 @@ class RunConfig(_Section):
     @classmethod
     def _empty_section_is_defaults(cls, value: Any) -> Any:
         return {} if value is None else value  # `logging:` with nothing under it
+
 
 # ----------------------------------------------------------------- dicts and overrides
 
