@@ -127,7 +127,7 @@ def test_memory_falls_with_devices_per_replica(devices):
     assert report[8][1] < 0.35 * report[1][1]
 
 
-@pytest.mark.parametrize("k", [4, 8])
+@pytest.mark.parametrize("k", [4, 8, {"fsdp": 4, "tensor": 2}], ids=["4", "8", "fsdp4_tensor2"])
 def test_trainer_features_equal_mirrored(devices, k):
     """fit (steps_per_execution, grad_accum_steps, mixed precision, device-resident and
     host input), evaluate and predict give mirrored's numbers."""

@@ -35,6 +35,17 @@ STRATEGIES = {
     "tensor_parallel_4": lambda: dt.MirroredStrategy(
         devices_per_replica=4, layout={"dense/w": P(None, "model"), "out/w": P("model", None)}
     ),
+    # A replica is a named mesh: 2-D layouts over FSDP x tensor axes.
+    "mesh_fsdp4_tensor2": lambda: dt.MirroredStrategy(
+        devices_per_replica={"fsdp": 4, "tensor": 2},
+        layout={"dense/w": P(None, ("fsdp", "tensor")), "out/w": P(("fsdp", "tensor"), None)},
+        min_shard_bytes=0,
+    ),
+    "mesh_2_replicas_fsdp2_tensor2": lambda: dt.MirroredStrategy(
+        devices_per_replica={"fsdp": 2, "tensor": 2},
+        layout={"dense/w": P(None, "tensor"), "out/w": P("tensor", "fsdp")},
+        min_shard_bytes=0,
+    ),
 }
 
 GLOBAL_BATCH = 16

@@ -34,7 +34,6 @@ the program as written. A program that still names the replica axis (a user's ow
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 from collections.abc import Callable, Hashable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -43,7 +42,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import jaxpr_as_fun
-from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
 from distrain._src import context
@@ -188,16 +186,7 @@ class ReplicaCompiler:
         strategy = self._strategy
         n, axis, mesh = strategy.num_replicas_in_sync, strategy.axis_name, strategy.mesh
         spans = bool(strategy.inner_axes)
-        # Inside a replica its named mesh is the context mesh: with_sharding_constraint
-        # with inner axis names lays out activations, and framework ops (dt.nn) find
-        # their axes. The replica axis is manual there, except for a single replica,
-        # whose program is plain GSPMD.
-        abstract = mesh.abstract_mesh
-        if spans and n > 1:
-            abstract = abstract.update_axis_types({axis: AxisType.Manual})
-
-        def in_mesh() -> contextlib.AbstractContextManager[Any]:
-            return jax.sharding.use_abstract_mesh(abstract) if spans else contextlib.nullcontext()
+        in_mesh = strategy._replica_mesh_context
 
         static = {i: flat[i] for i in static_idx}
         n_leaves = len(flat)

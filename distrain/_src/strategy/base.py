@@ -28,6 +28,7 @@ docstrings); the kernels behind it are in ``_compiler``, ``_cross_replica``,
 from __future__ import annotations
 
 import abc
+import contextlib
 import functools
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -37,7 +38,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding
+from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from distrain._src import context
@@ -242,6 +243,18 @@ class Strategy(abc.ABC):
     @property
     def cross_device_ops(self) -> CrossDeviceOps:
         return self._cross_device_ops
+
+    def _replica_mesh_context(self) -> AbstractContextManager[Any]:
+        """Where a replica function is traced: its named mesh is the context mesh, so
+        ``with_sharding_constraint`` with inner axis names lays out activations and
+        framework ops (``dt.nn``) find their axes. The replica axis is manual there,
+        except for a single replica, whose program is plain GSPMD."""
+        if not self._inner_axes:
+            return contextlib.nullcontext()
+        abstract = self._mesh.abstract_mesh
+        if self.num_replicas_in_sync > 1:
+            abstract = abstract.update_axis_types({self.axis_name: AxisType.Manual})
+        return jax.sharding.use_abstract_mesh(abstract)
 
     def scope(self) -> AbstractContextManager[Strategy]:
         """Makes this the current strategy (``dt.get_strategy()``) inside a ``with``."""

@@ -241,7 +241,11 @@ def trace_shapes(strategy: Strategy, fn: Callable[..., Any], args: tuple[Any, ..
     local_args = jax.tree.map(local, args, is_leaf=lambda x: isinstance(x, PerReplica))
     axis = strategy.axis_name
     ctx = context.ReplicaContext(strategy, axis, strategy.cross_device_ops)
-    with context._enter_scope(strategy), context._enter_replica(ctx):
+    with (
+        context._enter_scope(strategy),
+        context._enter_replica(ctx),
+        strategy._replica_mesh_context(),
+    ):
         _, shapes = jax.make_jaxpr(fn, axis_env=[(axis, n)], return_shape=True)(*local_args)
     check_no_leaks(fn)
     return shapes
