@@ -226,10 +226,12 @@ def test_one_replica_over_two_processes_equals_mirrored(tmp_path, mirrored_1x8):
     process holds half of the state that one process of 8 devices holds."""
     whole = _one_process(tmp_path, "one_process", "--devices-per-replica", "8")
     results, _, _ = _two_processes(tmp_path, "spans", "--devices-per-replica", "8")
+    assert str(whole["refused"]) == ""  # inside one process: 12 rows stay whole per replica
     for got in results:
         assert int(got["replicas"]) == 1
         _assert_params_equal(got, mirrored_1x8)
         assert int(got["state_bytes_here"]) <= 0.55 * int(whole["state_bytes_here"])
+        assert "rows per replica (12 // 1 = 12) must be divisible by 8" in str(got["refused"])
 
 
 def test_a_checkpointed_2d_mesh_across_processes_restores_anywhere_and_resumes_exactly(

@@ -43,7 +43,7 @@ STRATEGIES = {
     ),
     "mesh_2_replicas_fsdp2_tensor2": lambda: dt.MirroredStrategy(
         devices_per_replica={"fsdp": 2, "tensor": 2},
-        layout={"dense/w": P(None, "tensor"), "out/w": P("tensor", "fsdp")},
+        layout={"dense/w": P(None, "tensor"), "out/w": P(("tensor", "fsdp"), None)},
         min_shard_bytes=0,
     ),
 }

@@ -10,7 +10,7 @@ restarts both and the run resumes from step S - 1.
 
 Writes --out/result_<process id>.npz: the final parameters (gathered), the state bytes
 this process holds, its largest device's, the step the run started from, the
-replica count.
+replica count, and the error for a batch of 12 rows (empty if it was accepted).
 """
 
 import argparse
@@ -87,8 +87,15 @@ def main() -> int:
         k: np.asarray(multihost_utils.process_allgather(v, tiled=True))
         for k, v in state.params.items()
     }
+    # Rows that do not divide over a replica spanning processes: refused, not gathered.
+    try:
+        strategy.batch_sharding(12)
+        refused = ""
+    except ValueError as e:
+        refused = str(e)
     np.savez(
         os.path.join(args.out, f"result_{pid}.npz"),
+        refused=refused,
         state_bytes_here=here,
         bytes_per_device=strategy.memory_report(state)["bytes_per_device"],
         start=Start.start,

@@ -30,19 +30,23 @@ class MirroredStrategy(Strategy):
         ``MultiWorkerMirroredStrategy``.
       min_shard_bytes: with ``shard_state`` or ``devices_per_replica``, leaves below
         this size stay replicated.
-      devices_per_replica: ``k`` neighbouring devices per replica
+      devices_per_replica: the devices of one replica: ``k`` neighbours (one inner axis
+        ``"model"``), or a named mesh such as ``{"fsdp": 4, "tensor": 2}``
         (``num_replicas_in_sync == len(devices) // k``): inside every step XLA keeps
         each large state leaf split over the replica's devices (FSDP) and splits the
         replica's batch over them; the per-replica ``train_step`` is unchanged
         (``docs/scaling.md``).
       layout: with ``devices_per_replica``, rules ``{path pattern: PartitionSpec}`` over
-        the inner axis ``"model"`` for tensor parallelism, e.g.
-        ``{"mlp/up/kernel": P(None, "model")}``; other leaves are split FSDP-style.
+        the inner axes (e.g. ``{"mlp/up/kernel": P("fsdp", "tensor")}``) or a pytree of
+        specs (flax's ``nnx.get_partition_spec``); other leaves are split FSDP-style.
+      logical_axis_rules: ``{logical name: inner axis or None}`` for specs in logical
+        names (``{"embed": "fsdp", "mlp": "tensor"}``).
 
     Example:
       >>> strategy = dt.MirroredStrategy()            # all local devices
       >>> strategy = dt.MirroredStrategy(["cpu:0", "cpu:1"])
       >>> strategy = dt.MirroredStrategy(devices_per_replica=4)   # 2 replicas x 4 devices
+      >>> strategy = dt.MirroredStrategy(devices_per_replica={"fsdp": 4, "tensor": 2})
     """
 
     def __init__(

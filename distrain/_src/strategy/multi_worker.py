@@ -60,10 +60,13 @@ class MultiWorkerMirroredStrategy(Strategy):
         all-gather stays inside a host).
       min_shard_bytes: with ``shard_state`` or ``devices_per_replica``, leaves below
         this size stay replicated.
-      devices_per_replica: ``k`` neighbouring devices per replica, as in
-        ``MirroredStrategy``; ``"process"``: one replica per process, split over its
-        devices (HSDP: parameters gathered inside a host, gradients summed across hosts).
-      layout: tensor-parallel rules inside a replica, as in ``MirroredStrategy``.
+      devices_per_replica: the devices of one replica, as in ``MirroredStrategy``
+        (an int, or named inner axes such as ``{"fsdp": 8, "tensor": 4}``): part of one
+        process or whole processes (a replica may span hosts: FSDP across them);
+        ``"process"``: one replica per process, split over its devices (HSDP:
+        parameters gathered inside a host, gradients summed across hosts).
+      layout: layout rules inside a replica, as in ``MirroredStrategy``.
+      logical_axis_rules: logical names of specs, as in ``MirroredStrategy``.
 
     Raises:
       ValueError: the task is a TF_CONFIG "ps"/"evaluator" task, or the collectives
