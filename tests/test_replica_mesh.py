@@ -170,11 +170,15 @@ def test_configs_take_a_named_mesh_layout_and_logical_rules(devices):
         "devices_per_replica": {"fsdp": 4, "tensor": 2},
         "layout": {"up/kernel": ["embed", "mlp"], "down/kernel": [["fsdp", "tensor"], None]},
         "logical_axis_rules": {"embed": "fsdp", "mlp": "tensor"},
+        "batch_layout": {"x": [None, "tensor"]},
     }
     strategy = build_strategy(config_from_dict({**code, "strategy": strategy_cfg}).strategy)
     state = strategy.put_replicated(make_state())
     assert state.params["up"]["kernel"].sharding.spec == P("fsdp", "tensor")
     assert state.params["down"]["kernel"].sharding.spec == P(("fsdp", "tensor"), None)
+    assert strategy.distribute_batch(batch()).value["x"].sharding.spec == P(
+        ("replica", "fsdp"), "tensor"
+    )
 
 
 # ------------------------------------------------------------- across processes
@@ -274,3 +278,89 @@ def _restore(backup, strategy):
         target = strategy.put_replicated(mw_train.initial_state())
     with dt.checkpoint.CheckpointManager(backup) as mgr:
         return mgr.restore(target=target)
+
+
+# ------------------------------------------------------------------ batch layout
+CONTEXT = {"fsdp": 2, "context": 4}
+
+
+def token_step(state, batch):
+    """A toy sequence model: embeddings averaged over positions, one dense layer."""
+
+    def loss_fn(p):
+        h = p["embed"][batch["tokens"]]  # [B, T, D]: split over T by the batch layout
+        err = h.mean(1) @ p["out"] - batch["y"]
+        return dt.compute_average_loss((err**2).mean(-1))
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+
+def token_data():
+    r = np.random.default_rng(1)
+    return {
+        "tokens": r.integers(0, 32, (64, 16)).astype(np.int32),
+        "y": r.normal(size=(64, 4)).astype(np.float32),
+    }
+
+
+def token_state():
+    r = np.random.default_rng(2)
+    params = {
+        "embed": (r.normal(size=(32, 8)) * 0.3).astype(np.float32),
+        "out": (r.normal(size=(8, 4)) * 0.3).astype(np.float32),
+    }
+    return dt.TrainState.create(params=params, tx=optax.adam(1e-2))
+
+
+def test_a_batch_layout_splits_the_sequence_over_context(devices):
+    strategy = dt.MirroredStrategy(
+        devices_per_replica=CONTEXT, batch_layout={"tokens": P(None, "context")}
+    )
+    placed = strategy.distribute_batch(token_data())
+    assert placed.value["tokens"].sharding.spec == P(("replica", "fsdp"), "context")
+    assert placed.value["tokens"].addressable_shards[0].data.shape == (32, 4)  # 64 / 2, 16 / 4
+    assert placed.value["y"].sharding.spec == P(("replica", "fsdp", "context"))
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), token_data())
+    assert strategy.distribute_batch(abstract).value["tokens"].sharding.spec == P(
+        ("replica", "fsdp"), "context"
+    )
+    results = {}
+    for name, s in (("mirrored", dt.MirroredStrategy()), ("context", strategy)):
+        for mode in ("host", "device"):  # streamed from the host; gathered in the step
+            pipe = dt.data.ArrayPipeline(token_data(), global_batch_size=16, seed=0)
+            trainer = dt.Trainer(s, token_step, input_mode=mode)
+            state, _ = trainer.fit(token_state(), pipe, epochs=1)
+            results[name, mode] = jax.device_get(state.params)
+    for mode in ("host", "device"):
+        for a, b in zip(
+            jax.tree.leaves(results["context", mode]), jax.tree.leaves(results["mirrored", mode])
+        ):
+            np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+def test_batch_layout_errors(devices):
+    def make(layout, dpr=CONTEXT):
+        return dt.MirroredStrategy(devices_per_replica=dpr, batch_layout=layout)
+
+    with pytest.raises(ValueError, match=r"`batch_layout` lays values out .* needs"):
+        make({"tokens": P(None, "context")}, dpr=1)
+    with pytest.raises(ValueError, match=r"first entry stands for the rows"):
+        make({"tokens": P("context")})
+    with pytest.raises(ValueError, match=r"names 'seq', which is not an inner axis"):
+        make({"tokens": P(None, "seq")})
+    with pytest.raises(ValueError, match=r"must be a jax.sharding.PartitionSpec"):
+        make({"tokens": (None, "context")})
+    strategy = make({"tokens": P(None, "context")})
+    odd = {"tokens": np.zeros((16, 6), np.int32)}
+    with pytest.raises(
+        ValueError,
+        match=r"dimension 1 of the batch leaf 'tokens' \(shape \(16, 6\)\) over 4 .* multiple of 4",
+    ):
+        strategy.distribute_batch(odd)
+    with pytest.raises(ValueError, match=r"leaf 'tokens' has shape \(16,\) .* does not exist"):
+        strategy.distribute_batch({"tokens": np.zeros((16,), np.int32)})
+    with pytest.raises(
+        ValueError, match=r"entries \['tokens'\] match no leaf of the batch .*\['ids'\]"
+    ):
+        strategy.distribute_batch({"ids": np.zeros((16, 8), np.int32)})

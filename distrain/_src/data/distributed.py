@@ -335,9 +335,10 @@ class DistributedIterator:
 
     def _place(self, prepared: Flat) -> PerReplica:
         strategy = self._ds._strategy
+        layout = not getattr(self._ds._dataset, "row_ids", False)
         if self._elements:  # one element per replica: each replica's component is one row
             split = place_local(strategy, *prepared)
             return PerReplica(split.value, split.num_replicas, stacked=True)
         if self._ds._process_local:
-            return place_local(strategy, *prepared)
-        return place_global(strategy, *prepared)
+            return place_local(strategy, *prepared, layout=layout)
+        return place_global(strategy, *prepared, layout=layout)

@@ -1,7 +1,8 @@
 """Placement: one batch onto the strategy's devices, as a ``PerReplica``.
 
 Replica ``i`` gets the ``i``-th equal share of the rows, laid out by the strategy's
-public ``batch_sharding(rows)`` (split over a replica's devices when they divide it).
+``batch_sharding(rows)`` (split over a replica's devices when they divide it) or, for
+leaves its ``batch_layout`` names, split over inner axes along other dimensions too.
 A *global* batch (every process holds all of it) is copied only where this process's
 devices need it; a *process-local* batch (each process holds its own rows) is
 assembled into the global array with ``jax.make_array_from_process_local_data``.
@@ -36,27 +37,39 @@ def shard_global_batch(strategy: Strategy, batch: Any) -> PerReplica:
     return place_global(strategy, leaves, treedef, batch_size(leaves, treedef))
 
 
-def place_global(strategy: Strategy, leaves: list[Any], treedef: Any, size: int) -> PerReplica:
-    """``shard_global_batch`` of a batch already flattened and measured (``size`` rows)."""
+def place_global(
+    strategy: Strategy, leaves: list[Any], treedef: Any, size: int, layout: bool = True
+) -> PerReplica:
+    """``shard_global_batch`` of a batch already flattened and measured (``size`` rows);
+    ``layout=False``: rows only, whatever the strategy's ``batch_layout`` says."""
     per_replica_size(size, strategy.num_replicas_in_sync)
-    sharding = strategy.batch_sharding(size)
-    if all(isinstance(x, jax.Array) and x.sharding == sharding for x in leaves):
+    shardings = strategy._batch_shardings(leaves, treedef, size, layout)
+    placed = zip(leaves, shardings, strict=True)
+    if all(isinstance(x, jax.Array) and x.sharding == s for x, s in placed):
         arrays = leaves  # already placed: device_put would still cost ~0.3 ms per batch
     elif jax.process_count() == 1:
-        arrays = jax.device_put(leaves, sharding)
+        arrays = jax.device_put(leaves, shardings)
     else:
-        arrays = [jax.make_array_from_callback(np.shape(x), sharding, _rows_of(x)) for x in leaves]
+        arrays = [
+            jax.make_array_from_callback(np.shape(x), s, _rows_of(x))
+            for x, s in zip(leaves, shardings, strict=True)
+        ]
     return PerReplica(jax.tree.unflatten(treedef, arrays), strategy.num_replicas_in_sync)
 
 
-def place_local(strategy: Strategy, leaves: list[Any], treedef: Any, local: int) -> PerReplica:
+def place_local(
+    strategy: Strategy, leaves: list[Any], treedef: Any, local: int, layout: bool = True
+) -> PerReplica:
     """Assembles the global batch from this process's rows, already flattened, measured
     (``local`` rows) and checked to divide over its replicas (``batches.BatchShaper``)."""
-    sharding = strategy.batch_sharding(local * jax.process_count())
+    shardings = strategy._batch_shardings(leaves, treedef, local * jax.process_count(), layout)
     if jax.process_count() == 1:
-        arrays = jax.device_put(leaves, sharding)
+        arrays = jax.device_put(leaves, shardings)
     else:
-        arrays = [jax.make_array_from_process_local_data(sharding, np.asarray(x)) for x in leaves]
+        arrays = [
+            jax.make_array_from_process_local_data(s, np.asarray(x))
+            for x, s in zip(leaves, shardings, strict=True)
+        ]
     return PerReplica(jax.tree.unflatten(treedef, arrays), strategy.num_replicas_in_sync)
 
 

@@ -31,7 +31,7 @@ import abc
 import contextlib
 import functools
 import math
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
@@ -49,6 +49,7 @@ from distrain._src.strategy import _cross_replica as xr
 from distrain._src.strategy import layout as _layout
 from distrain._src.strategy._checks import check_placeable
 from distrain._src.strategy._compiler import ReplicaCompiler
+from distrain._src.strategy.batch_layout import BatchLayout
 from distrain._src.values import PerReplica
 
 __all__ = ["Strategy", "check_placeable"]
@@ -90,6 +91,9 @@ class Strategy(abc.ABC):
         specs (``layout.py``); other leaves are split FSDP-style.
       logical_axis_rules: ``{logical name: inner axis or None}`` for specs written in
         logical names (flax's ``nnx.with_partitioning``).
+      batch_layout: with inner axes, ``{leaf path pattern: PartitionSpec}`` splitting
+        other dimensions of batch leaves, e.g. ``{"tokens": P(None, "context")}``
+        (``batch_layout.py``).
       min_shard_bytes: with inner axes, FSDP leaves below this size stay replicated.
     """
 
@@ -105,15 +109,25 @@ class Strategy(abc.ABC):
         devices_per_replica: replica_mesh.DevicesPerReplica = 1,
         layout: _layout.LayoutRules | None = None,
         logical_axis_rules: _layout.LogicalAxisRules | None = None,
+        batch_layout: Mapping[str, P] | None = None,
         min_shard_bytes: int = sharded.DEFAULT_MIN_SHARD_BYTES,
     ) -> None:
         self._devices = tuple(devices)
         inner = replica_mesh.resolve_inner_axes(devices_per_replica, self._devices, self.axis_name)
-        if (layout is not None or logical_axis_rules is not None) and not inner:
+        given = [
+            name
+            for name, v in (
+                ("layout", layout),
+                ("logical_axis_rules", logical_axis_rules),
+                ("batch_layout", batch_layout),
+            )
+            if v is not None
+        ]
+        if given and not inner:
             raise ValueError(
-                "`layout` and `logical_axis_rules` lay state out over the devices of a "
-                "replica, so they need devices_per_replica > 1 or named inner axes. "
-                "Received: a layout with devices_per_replica=1."
+                f"`{given[0]}` lays values out over the devices of a replica, so it needs "
+                "devices_per_replica > 1 or named inner axes. Received: "
+                f"{given[0]} with devices_per_replica=1."
             )
         self._inner_axes = inner
         self._devices_per_replica = k = math.prod(inner.values())
@@ -142,6 +156,9 @@ class Strategy(abc.ABC):
                 axes=tuple(inner),
                 logical_axis_rules=logical_axis_rules,
             )
+        self._batch_layout = (
+            None if batch_layout is None else BatchLayout(self._mesh, self.axis_name, batch_layout)
+        )
         self._compiler = ReplicaCompiler(self, max_in_flight)
 
     def _set_shard_state(self, shard_state: bool | str, min_shard_bytes: int) -> None:
@@ -374,6 +391,34 @@ class Strategy(abc.ABC):
             )
         return self._stacked
 
+    def _batch_shardings(
+        self, leaves: Sequence[Any], treedef: Any, rows: int, layout: bool = True
+    ) -> list[Any]:
+        """One sharding per leaf of a global batch of ``rows`` rows (``batch_sharding``,
+        or with ``layout`` the leaf's ``batch_layout`` rule)."""
+        base = self.batch_sharding(rows)
+        if self._batch_layout is None or not layout:
+            return [base] * len(leaves)
+        paths = [
+            _layout.path_str(p)
+            for p, _ in jax.tree_util.tree_flatten_with_path(treedef.unflatten(leaves))[0]
+        ]
+        shapes = [tuple(np.shape(x)) for x in leaves]
+        return self._batch_layout.shardings(paths, shapes, rows, base)
+
+    def _constrain_batch(self, batch: Any) -> Any:
+        """Inside a replica's step: its batch laid out by ``batch_layout`` (for batches
+        gathered inside the step from a dataset kept on the devices)."""
+        if self._batch_layout is None:
+            return batch
+        rules = self._batch_layout
+
+        def one(path: Any, x: Any) -> Any:
+            spec = rules.spec_inside(_layout.path_str(path), tuple(x.shape))
+            return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
+
+        return jax.tree_util.tree_map_with_path(one, batch)
+
     def distribute_batch(self, batch: Any) -> PerReplica:
         """Splits one global batch (a pytree of arrays) across the replicas, in order.
 
@@ -384,13 +429,15 @@ class Strategy(abc.ABC):
         if leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
             from distrain._src.data.batches import batch_size, per_replica_size
 
-            rows = batch_size(leaves, jax.tree.structure(batch))
+            treedef = jax.tree.structure(batch)
+            rows = batch_size(leaves, treedef)
             per_replica_size(rows, self.num_replicas_in_sync)
-            sharding = self.batch_sharding(rows)
-            abstract = jax.tree.map(
-                lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), batch
-            )
-            return PerReplica(abstract, self.num_replicas_in_sync)
+            shardings = self._batch_shardings(leaves, treedef, rows)
+            abstract = [
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                for x, s in zip(leaves, shardings, strict=True)
+            ]
+            return PerReplica(jax.tree.unflatten(treedef, abstract), self.num_replicas_in_sync)
         from distrain._src.data.placement import shard_global_batch
 
         return shard_global_batch(self, batch)

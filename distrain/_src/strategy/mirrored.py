@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Literal
 
 import jax
+from jax.sharding import PartitionSpec
 
 from distrain._src.cross_device_ops import CrossDeviceOps
 from distrain._src.strategy.base import Strategy
@@ -41,6 +42,8 @@ class MirroredStrategy(Strategy):
         specs (flax's ``nnx.get_partition_spec``); other leaves are split FSDP-style.
       logical_axis_rules: ``{logical name: inner axis or None}`` for specs in logical
         names (``{"embed": "fsdp", "mlp": "tensor"}``).
+      batch_layout: ``{batch leaf pattern: PartitionSpec}`` splitting other dimensions
+        of batch leaves over inner axes, e.g. ``{"tokens": P(None, "context")}``.
 
     Example:
       >>> strategy = dt.MirroredStrategy()            # all local devices
@@ -59,6 +62,7 @@ class MirroredStrategy(Strategy):
         devices_per_replica: DevicesPerReplica = 1,
         layout: LayoutRules | None = None,
         logical_axis_rules: LogicalAxisRules | None = None,
+        batch_layout: Mapping[str, PartitionSpec] | None = None,
     ) -> None:
         super().__init__(
             parse_devices(devices),
@@ -66,6 +70,7 @@ class MirroredStrategy(Strategy):
             devices_per_replica=devices_per_replica,
             layout=layout,
             logical_axis_rules=logical_axis_rules,
+            batch_layout=batch_layout,
             min_shard_bytes=min_shard_bytes,
         )
         self._set_shard_state(shard_state, min_shard_bytes)

@@ -27,9 +27,11 @@ Example:
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Literal
 
 import jax
+from jax.sharding import PartitionSpec
 
 from distrain._src.cluster.base import ClusterResolver
 from distrain._src.cluster.communication import CommunicationOptions
@@ -67,6 +69,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         parameters gathered inside a host, gradients summed across hosts).
       layout: layout rules inside a replica, as in ``MirroredStrategy``.
       logical_axis_rules: logical names of specs, as in ``MirroredStrategy``.
+      batch_layout: batch leaves' other dimensions over inner axes, as in
+        ``MirroredStrategy``.
 
     Raises:
       ValueError: the task is a TF_CONFIG "ps"/"evaluator" task, or the collectives
@@ -90,6 +94,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         devices_per_replica: DevicesPerReplica = 1,
         layout: LayoutRules | None = None,
         logical_axis_rules: LogicalAxisRules | None = None,
+        batch_layout: Mapping[str, PartitionSpec] | None = None,
     ) -> None:
         if communication_options is not None and not isinstance(
             communication_options, CommunicationOptions
@@ -115,6 +120,7 @@ class MultiWorkerMirroredStrategy(Strategy):
             devices_per_replica=devices_per_replica,
             layout=layout,
             logical_axis_rules=logical_axis_rules,
+            batch_layout=batch_layout,
             min_shard_bytes=min_shard_bytes,
         )
         self._set_shard_state(shard_state, min_shard_bytes)

@@ -54,12 +54,13 @@ class Resident:
         self.pipeline = pipeline
         self.arrays = strategy._place_state(check_placeable(flat_arrays(pipeline)))
         self.mask_key = pipeline.mask_key
+        self.constrain = strategy._constrain_batch  # the strategy's batch_layout, if any
 
     def index_pipeline(self) -> ArrayPipeline:
         """The twin pipeline over row numbers: same batches, as row ids."""
         p = self.pipeline
         rows = np.arange(p.num_examples, dtype=np.int32)
-        return ArrayPipeline(
+        ids = ArrayPipeline(
             {_ROW: rows},
             global_batch_size=p.global_batch_size,
             seed=p.seed,
@@ -71,6 +72,8 @@ class Resident:
             process_index=p.process_index,
             process_count=p.process_count,
         )
+        ids.row_ids = True  # laid out by the strategy's batch_layout inside the step
+        return ids
 
     def batch(self, rows: Any) -> tuple[Any, Any]:
         """What the step receives per batch: the device arrays and this step's row ids."""
@@ -78,7 +81,7 @@ class Resident:
 
     def gathering(self, train_step: Callable[..., Any]) -> Callable[..., Any]:
         """``train_step`` fed the rows that a ``(arrays, row ids)`` batch names."""
-        pipeline, mask_key = self.pipeline, self.mask_key
+        pipeline, mask_key, constrain = self.pipeline, self.mask_key, self.constrain
 
         def step(state: Any, batch: Any) -> Any:
             arrays, ids = batch
@@ -91,7 +94,7 @@ class Resident:
                     jnp.where(real.reshape(real.shape + (1,) * (x.ndim - 1)), x, 0)
                     for x in leaves
                 ]
-            return train_step(state, unflatten(pipeline, leaves, mask))
+            return train_step(state, constrain(unflatten(pipeline, leaves, mask)))
 
         step.__name__ = f"gather_{getattr(train_step, '__name__', 'step')}"
         return step

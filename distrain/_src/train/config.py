@@ -75,6 +75,8 @@ class StrategyConfig(_Section):
         a list with one entry per dimension: an inner axis, a list of axes, a logical
         name or ``null``, e.g. ``{"mlp/fc/kernel": [fsdp, tensor]}``.
       logical_axis_rules: ``{logical name: inner axis, list of axes or null}``.
+      batch_layout: ``{batch leaf pattern: spec}`` (a spec as in ``layout``, its first
+        entry ``null`` for the rows), e.g. ``{tokens: [null, context]}``.
     """
 
     name: Literal[
@@ -87,6 +89,7 @@ class StrategyConfig(_Section):
     ) = 1
     layout: dict[str, list[str | list[str] | None]] | None = None
     logical_axis_rules: dict[str, str | list[str] | None] | None = None
+    batch_layout: dict[str, list[str | list[str] | None]] | None = None
 
     @pydantic.model_validator(mode="after")
     def _layouts_need_data_parallel(self) -> StrategyConfig:
@@ -95,6 +98,7 @@ class StrategyConfig(_Section):
             ("devices_per_replica", 1),
             ("layout", None),
             ("logical_axis_rules", None),
+            ("batch_layout", None),
         ):
             if getattr(self, field) != off and self.name not in (
                 "mirrored",
@@ -109,18 +113,16 @@ class StrategyConfig(_Section):
         return self
 
     def layout_kwargs(self) -> dict[str, Any]:
-        """``devices_per_replica``, ``layout`` (specs as PartitionSpecs) and
-        ``logical_axis_rules``, as the strategy takes them."""
+        """``devices_per_replica``, ``layout`` and ``batch_layout`` (specs as
+        PartitionSpecs) and ``logical_axis_rules``, as the strategy takes them."""
         from jax.sharding import PartitionSpec as P
 
         def entry(e: str | list[str] | None) -> str | tuple[str, ...] | None:
             return tuple(e) if isinstance(e, list) else e
 
-        layout = (
-            None
-            if self.layout is None
-            else {k: P(*(entry(e) for e in v)) for k, v in self.layout.items()}
-        )
+        def specs(rules: dict[str, list[Any]] | None) -> dict[str, P] | None:
+            return None if rules is None else {k: P(*map(entry, v)) for k, v in rules.items()}
+
         logical = (
             None
             if self.logical_axis_rules is None
@@ -128,8 +130,9 @@ class StrategyConfig(_Section):
         )
         return {
             "devices_per_replica": self.devices_per_replica,
-            "layout": layout,
+            "layout": specs(self.layout),
             "logical_axis_rules": logical,
+            "batch_layout": specs(self.batch_layout),
         }
 
 
