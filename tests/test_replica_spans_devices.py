@@ -270,7 +270,7 @@ def test_errors(devices):
     for bad in (0, -2, True, "all", 2.0):
         with pytest.raises(ValueError, match=r"positive int, 'process', or a mapping.*Received"):
             dt.MirroredStrategy(devices_per_replica=bad)
-    with pytest.raises(ValueError, match="need devices_per_replica > 1"):
+    with pytest.raises(ValueError, match="needs devices_per_replica > 1"):
         dt.MirroredStrategy(layout={"w": P("model")})
     with pytest.raises(ValueError, match="not a regular expression"):
         dt.MirroredStrategy(devices_per_replica=2, layout={"(": P("model")})
