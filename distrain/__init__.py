@@ -19,6 +19,7 @@ from distrain._src.cluster.communication import (
     CommunicationImplementation as CommunicationImplementation,
 )
 from distrain._src.cluster.communication import CommunicationOptions as CommunicationOptions
+from distrain._src.cluster.kubernetes import KubernetesClusterResolver as KubernetesClusterResolver
 from distrain._src.cluster.resolvers import AutoClusterResolver as AutoClusterResolver
 from distrain._src.cluster.resolvers import EnvClusterResolver as EnvClusterResolver
 from distrain._src.cluster.resolvers import SimpleClusterResolver as SimpleClusterResolver
@@ -88,6 +89,7 @@ __all__ = [
     "History",
     "InputContext",
     "InputOptions",
+    "KubernetesClusterResolver",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
