@@ -20,6 +20,7 @@ from distrain._src.cluster.communication import (
 )
 from distrain._src.cluster.communication import CommunicationOptions as CommunicationOptions
 from distrain._src.cluster.kubernetes import KubernetesClusterResolver as KubernetesClusterResolver
+from distrain._src.cluster.ray_train import RayTrainClusterResolver as RayTrainClusterResolver
 from distrain._src.cluster.resolvers import AutoClusterResolver as AutoClusterResolver
 from distrain._src.cluster.resolvers import EnvClusterResolver as EnvClusterResolver
 from distrain._src.cluster.resolvers import SimpleClusterResolver as SimpleClusterResolver
@@ -95,6 +96,7 @@ __all__ = [
     "NcclAllReduce",
     "OneDeviceStrategy",
     "PerReplica",
+    "RayTrainClusterResolver",
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",

@@ -13,9 +13,10 @@ Sources, in the order `resolve_cluster()` tries them:
    `DISTRAIN_PROCESS_ID`, optional `DISTRAIN_LOCAL_DEVICES`,
    `DISTRAIN_LOCAL_DEVICE_IDS`).
 2. `TFConfigClusterResolver`: TensorFlow's `TF_CONFIG` JSON, unchanged.
-3. `KubernetesClusterResolver` (kubernetes.py): Kubeflow Trainer's JAX runtime,
+3. `RayTrainClusterResolver` (ray_train.py): a Ray Train worker group.
+4. `KubernetesClusterResolver` (kubernetes.py): Kubeflow Trainer's JAX runtime,
    a JobSet or an Indexed Job.
-4. `AutoClusterResolver`: whatever `jax.distributed` detects by itself
+5. `AutoClusterResolver`: whatever `jax.distributed` detects by itself
    (Slurm, Open MPI, Cloud TPU, ...); a single process when nothing is found.
 
 Example:
@@ -314,9 +315,10 @@ def resolve_cluster(environ: Mapping[str, str] | None = None) -> ClusterResolver
        outside Kubernetes (inside, DISTRAIN_NUM_PROCESSES and
        DISTRAIN_COORDINATOR_ADDRESS may complete what Kubernetes gives);
     2. `TFConfigClusterResolver`: TF_CONFIG;
-    3. `KubernetesClusterResolver`: Kubeflow Trainer's JAX_* variables, or a
+    3. `RayTrainClusterResolver`: inside a Ray Train training function;
+    4. `KubernetesClusterResolver`: Kubeflow Trainer's JAX_* variables, or a
        JobSet / Indexed Job pod's JOB_COMPLETION_INDEX with DISTRAIN_NUM_PROCESSES;
-    4. `AutoClusterResolver`: what JAX detects (Slurm, Open MPI, Kubernetes through
+    5. `AutoClusterResolver`: what JAX detects (Slurm, Open MPI, Kubernetes through
        its API with jax[k8s], Cloud TPU), else one process. A JobSet pod that JAX
        does not detect and that lacks DISTRAIN_NUM_PROCESSES is an error, not one
        process.
@@ -328,8 +330,9 @@ def resolve_cluster(environ: Mapping[str, str] | None = None) -> ClusterResolver
         >>> resolve_cluster({"DISTRAIN_NUM_PROCESSES": "1"}).num_processes
         1
     """
-    # Here, not at the top: kubernetes.py builds on this module's SimpleClusterResolver.
+    # Here, not at the top: these modules build on this one's SimpleClusterResolver.
     from distrain._src.cluster.kubernetes import KubernetesClusterResolver
+    from distrain._src.cluster.ray_train import RayTrainClusterResolver
 
     env = os.environ if environ is None else environ
     in_kubernetes = KubernetesClusterResolver.is_present(env)
@@ -337,6 +340,8 @@ def resolve_cluster(environ: Mapping[str, str] | None = None) -> ClusterResolver
         return EnvClusterResolver(env)
     if TFConfigClusterResolver.is_present(env):
         return TFConfigClusterResolver(env[ENV_TF_CONFIG])
+    if RayTrainClusterResolver.is_present():
+        return RayTrainClusterResolver(environ=env)
     if in_kubernetes:
         return KubernetesClusterResolver(env)
     auto = AutoClusterResolver()
