@@ -47,7 +47,6 @@ def train(config: dict) -> None:
 
     import jax
     import jax.numpy as jnp
-
     import mw_train
 
     out, steps = config["out"], config["steps"]
@@ -77,7 +76,7 @@ def train(config: dict) -> None:
 
 
 class Faults(dt.callbacks.Callback):
-    """Logs the attempt at its first step, then fires the plan's faults (config["faults"]), each once."""
+    """Logs the attempt at its first step, then fires the faults of config["faults"] once."""
 
     def __init__(self, config: dict, backup: dt.callbacks.BackupAndRestore, pid: int, nproc: int):
         self.config, self.backup, self.pid, self.nproc = config, backup, pid, nproc
@@ -185,7 +184,25 @@ def drive(mode: str, out: str) -> int:
     ray.shutdown()
     if cluster is not None:
         cluster.shutdown()
+    _report(out)
     return 0 if result.error is None else 1
+
+
+def _report(out: str) -> None:
+    """Prints the seconds from each fault to the first step of the attempt after it."""
+    with open(os.path.join(out, "attempts.jsonl")) as f:
+        starts = sorted(json.loads(line)["time"] for line in f)
+    faults = []
+    if os.path.exists(os.path.join(out, "fault_0")):
+        faults.append(("worker killed", os.path.getmtime(os.path.join(out, "fault_0"))))
+    if os.path.exists(os.path.join(out, "events.jsonl")):
+        with open(os.path.join(out, "events.jsonl")) as f:
+            names = {"remove": "node removed", "add": "node added"}
+            faults += [(names[e["event"]], e["time"]) for e in map(json.loads, f)]
+    for what, when in faults:
+        after = [t for t in starts if t > when]
+        if after:
+            print(f"{what} -> first step of the next attempt: {after[0] - when:.1f} s", flush=True)
 
 
 def _resize(cluster, node, config: dict, fit: threading.Thread) -> None:
