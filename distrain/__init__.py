@@ -19,6 +19,8 @@ from distrain._src.cluster.communication import (
     CommunicationImplementation as CommunicationImplementation,
 )
 from distrain._src.cluster.communication import CommunicationOptions as CommunicationOptions
+from distrain._src.cluster.kubernetes import KubernetesClusterResolver as KubernetesClusterResolver
+from distrain._src.cluster.ray_train import RayTrainClusterResolver as RayTrainClusterResolver
 from distrain._src.cluster.resolvers import AutoClusterResolver as AutoClusterResolver
 from distrain._src.cluster.resolvers import EnvClusterResolver as EnvClusterResolver
 from distrain._src.cluster.resolvers import SimpleClusterResolver as SimpleClusterResolver
@@ -88,11 +90,13 @@ __all__ = [
     "History",
     "InputContext",
     "InputOptions",
+    "KubernetesClusterResolver",
     "MirroredStrategy",
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
     "PerReplica",
+    "RayTrainClusterResolver",
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",

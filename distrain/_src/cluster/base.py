@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 # distrain's own environment variables (also written by `distrain launch`).
 ENV_COORDINATOR_ADDRESS = "DISTRAIN_COORDINATOR_ADDRESS"
@@ -186,3 +186,69 @@ def check_device_ids(value: Sequence[int] | None, *, field: str) -> tuple[int, .
             f"{field} must be a non-empty list of device ids >= 0. Received: {value!r}."
         )
     return ids
+
+
+def env_int(environ: Mapping[str, str], name: str, *, minimum: int, source: str = "") -> int | None:
+    """Reads the integer variable `name` (None when unset or empty), checking its range.
+
+    Args:
+        environ: the environment.
+        name: the variable.
+        minimum: the smallest valid value.
+        source: who sets the variable, named in the error (e.g. "Kubernetes").
+
+    Raises:
+        ValueError: the value is not an integer >= minimum.
+    """
+    text = environ.get(name)
+    if text is None or text.strip() == "":
+        return None
+    try:
+        value = int(text.strip())
+    except ValueError:
+        value = None
+    if value is None or value < minimum:
+        origin = f" (set by {source})" if source else ""
+        raise ValueError(f"{name}{origin} must be an integer >= {minimum}. Received: {text!r}.")
+    return value
+
+
+class DelegatingClusterResolver(ClusterResolver):
+    """A resolver that reads its sources once and answers from the cluster they describe.
+
+    Subclasses set ``self._inner`` (usually a `SimpleClusterResolver`) in ``__init__``.
+    """
+
+    _inner: ClusterResolver
+
+    @abc.abstractmethod
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        """Reads the sources and sets ``self._inner``."""
+
+    @property
+    def coordinator_address(self) -> str | None:
+        return self._inner.coordinator_address
+
+    @property
+    def num_processes(self) -> int:
+        return self._inner.num_processes
+
+    @property
+    def process_id(self) -> int | None:
+        return self._inner.process_id
+
+    @property
+    def task_type(self) -> str:
+        return self._inner.task_type
+
+    @property
+    def task_id(self) -> int:
+        return self._inner.task_id
+
+    @property
+    def local_device_count(self) -> int | None:
+        return self._inner.local_device_count
+
+    @property
+    def local_device_ids(self) -> tuple[int, ...] | None:
+        return self._inner.local_device_ids

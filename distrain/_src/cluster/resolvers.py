@@ -13,7 +13,10 @@ Sources, in the order `resolve_cluster()` tries them:
    `DISTRAIN_PROCESS_ID`, optional `DISTRAIN_LOCAL_DEVICES`,
    `DISTRAIN_LOCAL_DEVICE_IDS`).
 2. `TFConfigClusterResolver`: TensorFlow's `TF_CONFIG` JSON, unchanged.
-3. `AutoClusterResolver`: whatever `jax.distributed` detects by itself
+3. `RayTrainClusterResolver` (ray_train.py): a Ray Train worker group.
+4. `KubernetesClusterResolver` (kubernetes.py): Kubeflow Trainer's JAX runtime,
+   a JobSet or an Indexed Job.
+5. `AutoClusterResolver`: whatever `jax.distributed` detects by itself
    (Slurm, Open MPI, Cloud TPU, ...); a single process when nothing is found.
 
 Example:
@@ -36,8 +39,10 @@ from distrain._src.cluster.base import (
     ENV_PROCESS_ID,
     ENV_TF_CONFIG,
     ClusterResolver,
+    DelegatingClusterResolver,
     check_count,
     check_device_ids,
+    env_int,
     parse_address,
 )
 from distrain._src.cluster.tf_config import TFConfigClusterResolver
@@ -129,20 +134,21 @@ class SimpleClusterResolver(ClusterResolver):
         return self._local_device_ids
 
 
-def _env_int(environ: Mapping[str, str], name: str, *, minimum: int) -> int | None:
-    text = environ.get(name)
-    if text is None or text.strip() == "":
+def read_device_ids(environ: Mapping[str, str]) -> list[int] | None:
+    """DISTRAIN_LOCAL_DEVICE_IDS as a list of ints (None when unset)."""
+    ids_text = environ.get(ENV_LOCAL_DEVICE_IDS, "").strip()
+    if not ids_text:
         return None
     try:
-        value = int(text.strip())
+        return [int(part) for part in ids_text.split(",")]
     except ValueError:
-        raise ValueError(f"{name} must be an integer >= {minimum}. Received: {text!r}.") from None
-    if value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}. Received: {text!r}.")
-    return value
+        raise ValueError(
+            f"{ENV_LOCAL_DEVICE_IDS} must be comma-separated integers, e.g. '0,1'. "
+            f"Received: {ids_text!r}."
+        ) from None
 
 
-class EnvClusterResolver(ClusterResolver):
+class EnvClusterResolver(DelegatingClusterResolver):
     """Reads the cluster from distrain's environment variables.
 
     Variables (all set by `distrain launch`):
@@ -169,8 +175,8 @@ class EnvClusterResolver(ClusterResolver):
 
     def __init__(self, environ: Mapping[str, str] | None = None):
         env = os.environ if environ is None else environ
-        num = _env_int(env, ENV_NUM_PROCESSES, minimum=1)
-        pid = _env_int(env, ENV_PROCESS_ID, minimum=0)
+        num = env_int(env, ENV_NUM_PROCESSES, minimum=1)
+        pid = env_int(env, ENV_PROCESS_ID, minimum=0)
         address = env.get(ENV_COORDINATOR_ADDRESS) or None
         if num is None:
             if address is None and pid is None:
@@ -200,22 +206,12 @@ class EnvClusterResolver(ClusterResolver):
             )
         if address is not None:
             parse_address(address, field=ENV_COORDINATOR_ADDRESS)
-        ids_text = env.get(ENV_LOCAL_DEVICE_IDS, "").strip()
-        ids = None
-        if ids_text:
-            try:
-                ids = [int(part) for part in ids_text.split(",")]
-            except ValueError:
-                raise ValueError(
-                    f"{ENV_LOCAL_DEVICE_IDS} must be comma-separated integers, e.g. '0,1'. "
-                    f"Received: {ids_text!r}."
-                ) from None
         self._inner = SimpleClusterResolver(
             address,
             num,
             pid,
-            _env_int(env, ENV_LOCAL_DEVICES, minimum=1),
-            ids,
+            env_int(env, ENV_LOCAL_DEVICES, minimum=1),
+            read_device_ids(env),
             _source="EnvClusterResolver",
         )
 
@@ -226,34 +222,6 @@ class EnvClusterResolver(ClusterResolver):
         return any(
             env.get(name) for name in (ENV_COORDINATOR_ADDRESS, ENV_NUM_PROCESSES, ENV_PROCESS_ID)
         )
-
-    @property
-    def coordinator_address(self) -> str | None:
-        return self._inner.coordinator_address
-
-    @property
-    def num_processes(self) -> int:
-        return self._inner.num_processes
-
-    @property
-    def process_id(self) -> int:
-        return self._inner.process_id
-
-    @property
-    def task_type(self) -> str:
-        return self._inner.task_type
-
-    @property
-    def task_id(self) -> int:
-        return self._inner.task_id
-
-    @property
-    def local_device_count(self) -> int | None:
-        return self._inner.local_device_count
-
-    @property
-    def local_device_ids(self) -> tuple[int, ...] | None:
-        return self._inner.local_device_ids
 
 
 def _detected_environment() -> Any:
@@ -339,22 +307,44 @@ class AutoClusterResolver(ClusterResolver):
 
 
 def resolve_cluster(environ: Mapping[str, str] | None = None) -> ClusterResolver:
-    """Picks the resolver for this process: distrain env vars > TF_CONFIG > auto-detection.
+    """Picks the resolver for this process from what its environment says.
+
+    In order, the first that applies:
+
+    1. `EnvClusterResolver`: DISTRAIN_PROCESS_ID, or any DISTRAIN_* cluster variable
+       outside Kubernetes (inside, DISTRAIN_NUM_PROCESSES and
+       DISTRAIN_COORDINATOR_ADDRESS may complete what Kubernetes gives);
+    2. `TFConfigClusterResolver`: TF_CONFIG;
+    3. `RayTrainClusterResolver`: inside a Ray Train training function;
+    4. `KubernetesClusterResolver`: Kubeflow Trainer's JAX_* variables, or a
+       JobSet / Indexed Job pod's JOB_COMPLETION_INDEX with DISTRAIN_NUM_PROCESSES;
+    5. `AutoClusterResolver`: what JAX detects (Slurm, Open MPI, Kubernetes through
+       its API with jax[k8s], Cloud TPU), else one process. A JobSet pod that JAX
+       does not detect and that lacks DISTRAIN_NUM_PROCESSES is an error, not one
+       process.
 
     Args:
         environ: the environment to inspect; `os.environ` by default.
-
-    Returns:
-        An `EnvClusterResolver` if any DISTRAIN_* cluster variable is set, else a
-        `TFConfigClusterResolver` if TF_CONFIG is set, else an `AutoClusterResolver`.
 
     Example:
         >>> resolve_cluster({"DISTRAIN_NUM_PROCESSES": "1"}).num_processes
         1
     """
+    # Here, not at the top: these modules build on this one's SimpleClusterResolver.
+    from distrain._src.cluster.kubernetes import KubernetesClusterResolver
+    from distrain._src.cluster.ray_train import RayTrainClusterResolver
+
     env = os.environ if environ is None else environ
-    if EnvClusterResolver.is_present(env):
+    in_kubernetes = KubernetesClusterResolver.is_present(env)
+    if env.get(ENV_PROCESS_ID) or (EnvClusterResolver.is_present(env) and not in_kubernetes):
         return EnvClusterResolver(env)
     if TFConfigClusterResolver.is_present(env):
         return TFConfigClusterResolver(env[ENV_TF_CONFIG])
-    return AutoClusterResolver()
+    if RayTrainClusterResolver.is_present():
+        return RayTrainClusterResolver(environ=env)
+    if in_kubernetes:
+        return KubernetesClusterResolver(env)
+    auto = AutoClusterResolver()
+    if auto.environment is None and KubernetesClusterResolver.is_incomplete(env):
+        return KubernetesClusterResolver(env)  # raises, naming what is missing
+    return auto
