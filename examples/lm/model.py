@@ -28,9 +28,12 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 __all__ = [
+    "TENSOR_PARALLEL_LAYOUT",
     "LMConfig",
+    "constrain_hidden",
     "Transformer",
     "count_params",
     "flops_per_token",
@@ -96,6 +99,32 @@ class LMConfig:
     @property
     def ff(self) -> int:
         return self.d_ff if self.d_ff is not None else 4 * self.d_model
+
+
+def constrain_hidden(x: jax.Array) -> jax.Array:
+    """Hidden states ``[B, T, D]`` laid out as Megatron does when the step runs on a
+    replica mesh with an ``"fsdp"`` axis: rows split over it, whole over ``"tensor"``
+    (every tensor-parallel device needs the whole hidden state of its rows). A no-op
+    elsewhere (one device, data parallelism, plain ``jax.jit``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "fsdp" not in mesh.axis_names or x.shape[0] % mesh.shape["fsdp"]:
+        return x
+    return jax.lax.with_sharding_constraint(x, P("fsdp", None, None))
+
+
+# Megatron-style tensor parallelism for a replica mesh {"fsdp": F, "tensor": T}: the
+# first matmul of each pair split by columns over "tensor", the second by rows, so the
+# activations between them stay split and one all-reduce per pair joins them; every
+# kernel's other dimension, and the token table, split over "fsdp" (FSDP).
+TENSOR_PARALLEL_LAYOUT = {
+    "attn/qkv/kernel": P("fsdp", "tensor"),
+    "attn/qkv/bias": P("tensor"),
+    "attn/out/kernel": P("tensor", "fsdp"),
+    "mlp/fc/kernel": P("fsdp", "tensor"),
+    "mlp/fc/bias": P("tensor"),
+    "mlp/proj/kernel": P("tensor", "fsdp"),
+    "embed/embedding": P("tensor", "fsdp"),
+}
 
 
 def rope_tables(seq_len: int, head_dim: int) -> tuple[jax.Array, jax.Array]:
@@ -210,7 +239,7 @@ class Transformer(nnx.Module):
         else:
             rope = rope_tables(t, cfg.head_dim)
         for block in self.blocks:
-            x = block(x, rope)
+            x = constrain_hidden(block(x, rope))
         # The tied head in the compute dtype; logits (and so the loss) in float32.
         return self.embed.attend(self.norm(x)).astype(jnp.float32)
 

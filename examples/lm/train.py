@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import json
 import math
 import os
@@ -177,7 +178,8 @@ class Settings:
     devices: int | None = None  # None: all local devices
     shard_state: bool = False
     # > 1 (or "process"): a replica spans devices, state FSDP-split over them
-    devices_per_replica: int | str = 1
+    devices_per_replica: Any = 1  # an int, "process" or {axis: size}
+    layout: Any = None  # layout rules for a replica mesh (dt.MirroredStrategy's layout)
     peak_flops: float | None = None  # per device; None: the table's (none on CPU)
     profile: tuple[int, int] | None = None
     prompts: tuple[str, ...] = ("def ", "import ", "class ")
@@ -208,7 +210,16 @@ def settings_from_config(path: str, overrides: list[str] | tuple[str, ...] = ())
         seed=cfg.seed,
         shard_state=cfg.strategy.shard_state,
         devices_per_replica=cfg.strategy.devices_per_replica,
+        layout=_layout(cfg.strategy.layout_kwargs()["layout"]),
     )
+
+
+def _layout(value: Any) -> Any:
+    """Layout rules from a config: specs, or the import path of rules kept in code."""
+    if isinstance(value, str):
+        module, _, name = value.partition(":")
+        return getattr(importlib.import_module(module), name)
+    return value
 
 
 def init_state(s: Settings) -> tuple[ApplyFn, dt.TrainState]:
@@ -238,7 +249,10 @@ def make_strategy(s: Settings) -> dt.Strategy:
             f"({jax.device_count()}); use {jax.device_count()} or fewer."
         )
     return dt.MirroredStrategy(
-        devices, shard_state=s.shard_state, devices_per_replica=s.devices_per_replica
+        devices,
+        shard_state=s.shard_state,
+        devices_per_replica=s.devices_per_replica,
+        layout=s.layout,
     )
 
 
