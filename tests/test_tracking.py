@@ -5,6 +5,7 @@ writes to a ``file:`` store in tmp and is read back with ``MlflowClient``. Real 
 jobs and a SIGKILL-and-resume run tests/scripts/tracking_train.py.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -398,6 +399,41 @@ def test_distrain_train_config_sections_log_the_config_after_overrides(tmp_path,
     bad.logging.wandb.log_checkpoint = True
     with pytest.raises(ValueError, match=r"logging\.wandb\.log_checkpoint .* checkpoint\.dir"):
         run_config(bad, print_fn=None)
+
+
+def test_the_documented_config_sections_run_as_printed(tmp_path, devices, monkeypatch):
+    """docs/tracking.md's `distrain train` YAML, verbatim: MLflow's local sqlite store
+    (the `mlflow` extra brings SQLAlchemy and Alembic for it), W&B offline, a backup."""
+    import re
+
+    import yaml
+
+    from distrain.config import load_config, run_config
+
+    root = Path(__file__).parent.parent
+    doc = (root / "docs" / "tracking.md").read_text()
+    section = doc[doc.index("## From `distrain train`") :]
+    block = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, re.S).group(1))
+    monkeypatch.chdir(tmp_path)  # the doc's relative paths: mlflow.db, backups/mnist
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wb"))
+    monkeypatch.setenv("MLFLOW_DISABLE_TELEMETRY", "true")
+    overrides = [f"{k}={json.dumps(v)}" for k, v in block.items()]
+    overrides += ["train.epochs=1", "train.steps=2", "logging.progress_bar=false"]
+    run_config(load_config(root / "configs" / "quickstart.yaml", overrides), print_fn=None)
+    mrun = only_run(mlflow_client("sqlite:///mlflow.db"))
+    assert mrun.info.run_name == "quickstart" and mrun.data.metrics
+    assert (tmp_path / "mlflow.db").exists()
+
+
+def test_a_store_mlflow_cannot_open_is_one_line(strategy, tmp_path):
+    logger = cb.MLflowLogger(tracking_uri="nosuchscheme://store")
+    trainer = Trainer(strategy, train_step, log_every=1, callbacks=[logger])
+    with pytest.raises(ValueError) as e:
+        trainer.fit(new_state(), pipeline(), epochs=1)
+    message = str(e.value)
+    assert "\n" not in message
+    assert "cannot open the tracking store 'nosuchscheme://store'" in message
+    assert "pip install 'distrain[mlflow]'" in message
 
 
 def test_tracking_doc_runs(devices, capsys, tmp_path):

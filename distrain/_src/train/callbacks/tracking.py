@@ -332,7 +332,7 @@ class MLflowLogger(_Tracker):
         from mlflow.entities import Param, RunStatus
         from mlflow.tracking import MlflowClient
 
-        self.client = client = MlflowClient(tracking_uri=self.tracking_uri)
+        self.client = client = _open_store(MlflowClient, self.tracking_uri)
         if resume_id is not None:
             try:
                 client.get_run(resume_id)
@@ -379,3 +379,27 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
         else:
             out[key] = v
     return out
+
+
+def _open_store(client_class: Any, uri: str | None) -> Any:
+    """An ``MlflowClient`` whose store opened, or one line naming the URI and the fix.
+
+    MLflow resolves the store on first use, and its errors for a store it cannot open
+    (a SQL URI without SQLAlchemy, MLflow 3's refusal of the plain file store, an
+    unknown scheme) are long and name the model registry; this asks once, up front.
+    """
+    from mlflow.exceptions import MlflowException
+
+    try:
+        client = client_class(tracking_uri=uri)
+        client.get_experiment_by_name("Default")
+    except (MlflowException, ImportError) as e:
+        shown = uri or os.environ.get("MLFLOW_TRACKING_URI") or "the default ./mlruns"
+        first = " ".join(str(e).split())[:160]
+        raise ValueError(
+            f"MLflowLogger: MLflow cannot open the tracking store {shown!r} ({first}). "
+            "A sqlite:// (or other SQL) store needs SQLAlchemy and Alembic: pip install "
+            "'distrain[mlflow]'; a local directory (file://...) needs "
+            "MLFLOW_ALLOW_FILE_STORE=true with MLflow 3; a server is http://host:5000."
+        ) from None
+    return client
