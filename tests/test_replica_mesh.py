@@ -332,6 +332,9 @@ def test_a_batch_layout_splits_the_sequence_over_context(devices):
             trainer = dt.Trainer(s, token_step, input_mode=mode)
             state, _ = trainer.fit(token_state(), pipe, epochs=1)
             results[name, mode] = jax.device_get(state.params)
+            if mode == "device":  # whole on every device: a row gather needs no all-gather
+                placed = jax.tree.leaves(trainer._resident.arrays)
+                assert all(x.sharding.is_fully_replicated for x in placed)
     for mode in ("host", "device"):
         got, want = results["context", mode], results["mirrored", mode]
         for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):

@@ -306,6 +306,17 @@ class Strategy(abc.ABC):
             self._layout.check_all_used(paths)
         return self._place_state(tree)
 
+    def _place_dataset(self, tree: Any) -> Any:
+        """A dataset the Trainer keeps on the devices: whole on every device of the
+        compute mesh, where state lives whole (replicas of one device), else replicated.
+        Split like state (FSDP over a replica's devices), every step's row gather would
+        all-gather the whole dataset: Trainer.fit ran at 0.42x strategy.run at
+        devices_per_replica=8 that way."""
+        if not self._inner_axes:
+            return self._place_state(tree)
+        shardings = jax.tree.map(lambda _: self._replicated, tree)
+        return jax.device_put(jax.tree.map(_unaliased, tree, shardings), shardings)
+
     def _place_state(self, tree: Any) -> Any:
         """``put_replicated`` without the check that every layout rule matches (for
         arrays the framework keeps like state, e.g. a dataset on the devices)."""

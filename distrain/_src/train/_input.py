@@ -52,7 +52,7 @@ class Resident:
 
     def __init__(self, strategy: Strategy, pipeline: ArrayPipeline) -> None:
         self.pipeline = pipeline
-        self.arrays = strategy._place_state(check_placeable(flat_arrays(pipeline)))
+        self.arrays = strategy._place_dataset(check_placeable(flat_arrays(pipeline)))
         self.mask_key = pipeline.mask_key
         self.constrain = strategy._constrain_batch  # the strategy's batch_layout, if any
 
