@@ -1,0 +1,189 @@
+"""``dt.nn.pipeline``: a stack of layers split into pipeline stages over a ``"stage"`` axis.
+
+``pipeline(layer_fn, stacked_params, x, microbatches=M)`` applies ``L`` layers,
+``x = layer_fn(params[l], x)`` for ``l = 0 .. L-1``, where ``stacked_params`` holds every
+layer's parameters with a leading layer dimension (the ``jax.lax.scan`` / ``nnx.scan``
+layout). Where the replica's mesh has no ``"stage"`` axis (or it has size 1) this is a
+plain ``lax.scan`` over the layers. Over a ``"stage"`` axis of ``S`` devices it is
+GPipe: the layers go to stages, the batch is cut into ``M`` microbatches that move from
+stage to stage every tick (``lax.ppermute`` around the ring), and the backward pass is
+the gradient of that schedule.
+
+Schedule. With ``repeats=R`` the layers are cut into ``S * R`` chunks of ``K = L / (S R)``
+consecutive layers and chunk ``c`` lives on stage ``c % S`` (``R = 1``: stage ``s`` holds
+layers ``s K .. s K + K - 1``; ``R > 1``: the circular schedule, each microbatch goes
+around the ring ``R`` times). Microbatches enter in groups of ``S``: microbatch
+``m = g S + j`` makes its ``v``-th chunk visit (``v = r S + s``) at tick
+``g S R + j + v``, so no stage is ever asked for two things at once, and a step takes
+``M R + S - 1`` ticks of which ``S - 1`` are the fill and drain bubble:
+``(S - 1) / (M R + S - 1)`` of the time.
+
+Memory. Each stage holds ``1/S`` of the stacked parameters (lay them out with a
+``P("stage")`` rule on their leading dimension; other layouts are resharded, correct but
+slower) and, for the backward pass, its activations for every tick (``remat=True``
+keeps only each chunk's input and recomputes the rest).
+
+Not supported (yet): 1F1B and zero-bubble schedules, which interleave backward and
+forward passes of different microbatches (they need a hand-written backward pass, not
+``jax.grad`` of the forward schedule), and stages of different shapes.
+
+Example:
+  >>> def layer(p, x):
+  ...     return jnp.tanh(x @ p["w"] + p["b"])
+  >>> y = dt.nn.pipeline(layer, {"w": ws, "b": bs}, x, microbatches=8)   # ws: [L, D, D]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+__all__ = ["pipeline"]
+
+
+def pipeline(
+    layer_fn: Callable[[Any, jax.Array], jax.Array],
+    stacked_params: Any,
+    x: jax.Array,
+    *,
+    microbatches: int,
+    repeats: int = 1,
+    remat: bool = False,
+    axis: str = "stage",
+) -> jax.Array:
+    """Applies ``L`` stacked layers to ``x``, pipelined over ``axis`` when the replica has it.
+
+    Args:
+      layer_fn: ``layer_fn(params_l, x) -> x``, one layer; its output has ``x``'s shape
+        and dtype.
+      stacked_params: a pytree whose leaves have a leading layer dimension ``L``.
+      x: the batch, ``[B, ...]``.
+      microbatches: ``M``, how many pieces the batch is cut into (``B % M == 0``).
+      repeats: ``R``, chunks per stage (circular schedule); ``L % (S R) == 0`` and, with
+        ``R > 1``, ``M % S == 0``.
+      remat: recompute each chunk's activations in the backward pass
+        (``jax.checkpoint``) instead of keeping them.
+      axis: the mesh axis of the stages.
+
+    Returns:
+      ``x`` after the ``L`` layers (the same values as a ``lax.scan`` over them).
+
+    Raises:
+      ValueError: numbers that do not divide (each named), a ``layer_fn`` whose output
+        differs from its input in shape or dtype, or parameters without a common
+        leading dimension.
+      TypeError: ``microbatches`` or ``repeats`` not a positive int.
+    """
+    layers = _check(layer_fn, stacked_params, x, microbatches, repeats)
+    step = jax.checkpoint(layer_fn) if remat else layer_fn
+    mesh = jax.sharding.get_abstract_mesh()
+    stages = 1 if mesh.empty or axis not in mesh.axis_names else mesh.shape[axis]
+    if stages == 1:
+        return _scan(step, stacked_params, x)
+    if layers % (stages * repeats):
+        raise ValueError(
+            f"pipeline: {layers} layers do not split into {stages} stages x {repeats} "
+            f"repeats ({stages * repeats} chunks of equal size). Use a number of layers "
+            f"divisible by {stages * repeats}, or other stages/repeats."
+        )
+    if repeats > 1 and microbatches % stages:
+        raise ValueError(
+            f"pipeline: with repeats={repeats} (the circular schedule) the microbatches "
+            f"({microbatches}) must be a multiple of the stages ({stages}): they go round "
+            "the ring in groups of one per stage."
+        )
+    k = layers // (stages * repeats)
+
+    def chunked(a: jax.Array) -> jax.Array:  # [L, ...] -> [S, R, K, ...]; chunk r*S+s
+        a = a.reshape(repeats, stages, k, *a.shape[1:])
+        return jnp.swapaxes(a, 0, 1)
+
+    params = jax.tree.map(chunked, stacked_params)
+    xs = x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])
+    chunk = jax.checkpoint(lambda p, h: _scan(layer_fn, p, h)) if remat else (
+        lambda p, h: _scan(layer_fn, p, h)
+    )
+    run = jax.shard_map(
+        lambda p, xs: _schedule(chunk, p, xs, stages, repeats, microbatches, axis),
+        mesh=mesh,
+        in_specs=(jax.tree.map(lambda _: P(axis), params), P()),
+        out_specs=P(),
+        axis_names={axis},
+        check_vma=False,
+    )
+    return run(params, xs).reshape(x.shape)
+
+
+def _scan(layer_fn: Callable[..., jax.Array], params: Any, x: jax.Array) -> jax.Array:
+    return jax.lax.scan(lambda h, p: (layer_fn(p, h), None), x, params)[0]
+
+
+def _schedule(
+    chunk: Callable[[Any, jax.Array], jax.Array],
+    params: Any,
+    xs: jax.Array,
+    stages: int,
+    repeats: int,
+    microbatches: int,
+    axis: str,
+) -> jax.Array:
+    """One stage's part of the schedule (inside the shard_map over ``axis``)."""
+    s = jax.lax.axis_index(axis)
+    params = jax.tree.map(lambda a: a[0], params)  # this stage's [R, K, ...]
+    ring = [(i, (i + 1) % stages) for i in range(stages)]
+    period = stages * repeats
+
+    def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> Any:
+        incoming, outs = carry
+        u = t - s  # this stage's place in the schedule
+        g, rem = u // period, u % period
+        r, j = rem // stages, rem % stages
+        m = jnp.clip(g * stages + j, 0, microbatches - 1)
+        valid = (u >= 0) & (g * stages + j < microbatches)
+        fresh = (s == 0) & (r == 0)  # a microbatch enters the ring here
+        h = jnp.where(fresh, xs[m], incoming)
+        y = chunk(jax.tree.map(lambda a: a[r], params), h)
+        done = valid & (s == stages - 1) & (r == repeats - 1)
+        outs = outs.at[m].set(jnp.where(done, y, outs[m]))
+        return (jax.lax.ppermute(y, axis, ring), outs), None
+
+    ticks = jnp.arange(microbatches * repeats + stages - 1)
+    init = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs))
+    (_, outs), _ = jax.lax.scan(tick, init, ticks)
+    # Only the last stage wrote outputs; every stage returns them (the replica's result).
+    return jax.lax.psum(jnp.where(s == stages - 1, outs, jnp.zeros_like(outs)), axis)
+
+
+def _check(
+    layer_fn: Callable[..., Any], stacked_params: Any, x: jax.Array, microbatches: Any, repeats: Any
+) -> int:
+    for name, v in (("microbatches", microbatches), ("repeats", repeats)):
+        if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+            raise TypeError(f"pipeline: `{name}` must be a positive int. Received: {v!r}.")
+    leaves = jax.tree.leaves(stacked_params)
+    lengths = {a.shape[0] if a.ndim else None for a in leaves}
+    if not leaves or None in lengths or len(lengths) != 1:
+        raise ValueError(
+            "pipeline: every leaf of `stacked_params` needs the same leading (layer) "
+            f"dimension. Received leading dimensions {sorted(map(str, lengths))}."
+        )
+    layers = int(lengths.pop() or 0)
+    if not x.ndim or x.shape[0] % microbatches:
+        raise ValueError(
+            f"pipeline: the batch ({x.shape[0] if x.ndim else 'a scalar'} rows) must be "
+            f"divisible by microbatches={microbatches}."
+        )
+    one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stacked_params)
+    mb = jax.ShapeDtypeStruct((x.shape[0] // microbatches, *x.shape[1:]), x.dtype)
+    out = jax.eval_shape(layer_fn, one, mb)
+    if not isinstance(out, jax.ShapeDtypeStruct) or (out.shape, out.dtype) != (mb.shape, mb.dtype):
+        got = (out.shape, out.dtype) if isinstance(out, jax.ShapeDtypeStruct) else type(out)
+        raise ValueError(
+            f"pipeline: layer_fn must return an array of its input's shape and dtype "
+            f"{(mb.shape, mb.dtype)} (a stage passes it on to the next). Received {got}."
+        )
+    return layers
