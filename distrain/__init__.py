@@ -21,16 +21,15 @@ from distrain._src.cluster.communication import (
 from distrain._src.cluster.communication import CommunicationOptions as CommunicationOptions
 from distrain._src.cluster.kubernetes import KubernetesClusterResolver as KubernetesClusterResolver
 from distrain._src.cluster.ray_train import RayTrainClusterResolver as RayTrainClusterResolver
+from distrain._src.cluster.resolve import resolve_cluster as resolve_cluster
 from distrain._src.cluster.resolvers import AutoClusterResolver as AutoClusterResolver
 from distrain._src.cluster.resolvers import EnvClusterResolver as EnvClusterResolver
 from distrain._src.cluster.resolvers import SimpleClusterResolver as SimpleClusterResolver
-from distrain._src.cluster.resolvers import resolve_cluster as resolve_cluster
 from distrain._src.cluster.runtime import initialize_distributed as initialize_distributed
 from distrain._src.cluster.tf_config import TFConfigClusterResolver as TFConfigClusterResolver
 from distrain._src.context import ReduceOp as ReduceOp
 from distrain._src.context import ReplicaContext as ReplicaContext
 from distrain._src.context import get_replica_context as get_replica_context
-from distrain._src.context import get_strategy as get_strategy
 from distrain._src.context import has_strategy as has_strategy
 from distrain._src.context import in_cross_replica_context as in_cross_replica_context
 from distrain._src.cross_device_ops import AllReduce as AllReduce
@@ -38,6 +37,7 @@ from distrain._src.cross_device_ops import CrossDeviceOps as CrossDeviceOps
 from distrain._src.cross_device_ops import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce
 from distrain._src.cross_device_ops import NcclAllReduce as NcclAllReduce
 from distrain._src.cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
+from distrain._src.current import get_strategy as get_strategy
 from distrain._src.losses import compute_average_loss as compute_average_loss
 from distrain._src.losses import scale_regularization_loss as scale_regularization_loss
 from distrain._src.strategy.base import Strategy as Strategy

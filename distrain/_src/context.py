@@ -25,7 +25,7 @@ import copy
 import dataclasses
 import enum
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
@@ -34,7 +34,6 @@ import jax.numpy as jnp
 
 if TYPE_CHECKING:
     from distrain._src.cross_device_ops import CrossDeviceOps
-    from distrain._src.ps.strategy import ParameterServerStrategy
     from distrain._src.strategy.base import Strategy
 
 
@@ -71,6 +70,19 @@ class _State(threading.local):
 
 
 _state = _State()
+
+# The default strategy's factory, registered by strategy/one_device.py as it loads
+# (``import distrain`` loads it): this module, which every strategy imports, imports none.
+_default_factory: list[Callable[[], Strategy]] = []
+
+
+def register_default_strategy(factory: Callable[[], Strategy]) -> None:
+    """Sets what ``get_strategy()`` returns outside every scope."""
+    _default_factory[:] = [factory]
+
+
+def _default_strategy() -> Strategy:
+    return _default_factory[0]()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,17 +207,13 @@ class ReplicaContext:
         )
 
 
-def get_strategy() -> Strategy | ParameterServerStrategy:
-    """The strategy of the innermost ``scope()``, else the default (one replica) strategy.
-
-    Inside a ``dt.experimental.ParameterServerStrategy``'s scope that strategy, which is
-    not a ``dt.Strategy`` (it has no ``run``: its workers run through a coordinator).
-    """
+def current_strategy() -> Any:
+    """The strategy of the innermost ``scope()``, else the default (one replica) strategy
+    (``dt.get_strategy()``, typed, is ``current.py``'s: this module names no strategy
+    class, so that the strategies and the parameter-server package can import it)."""
     if _state.strategies:
         return _state.strategies[-1]
-    from distrain._src.strategy.one_device import default_strategy
-
-    return default_strategy()
+    return _default_strategy()
 
 
 def has_strategy() -> bool:
@@ -227,9 +235,7 @@ def get_replica_context() -> ReplicaContext | None:
         return _state.replica
     if has_strategy():
         return None
-    from distrain._src.strategy.one_device import default_strategy
-
-    return ReplicaContext(default_strategy(), axis_name=None)
+    return ReplicaContext(_default_strategy(), axis_name=None)
 
 
 @contextmanager

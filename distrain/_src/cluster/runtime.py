@@ -49,7 +49,7 @@ import jax
 
 from distrain._src.cluster.base import ClusterResolver, parse_address
 from distrain._src.cluster.communication import CommunicationOptions
-from distrain._src.cluster.resolvers import resolve_cluster
+from distrain._src.cluster.resolve import resolve_cluster
 
 # (coordinator address, num_processes, process_id) of the cluster this process joined.
 _joined: tuple[str | None, int, int] | None = None

@@ -13,36 +13,16 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, final
+from typing import Any, final
 
 import jax
 import numpy as np
 
+from distrain._src.data.options import InputOptions, multiples
 from distrain._src.padding import pad_rows
-
-if TYPE_CHECKING:
-    from distrain._src.data.options import InputOptions
 
 # A batch ready to place: its leaves, its structure and its rows.
 Flat = tuple[list[Any], Any, int]
-
-
-def multiples(n: int, k: int) -> str:
-    """The multiples of ``k`` nearest ``n``, for error messages ("56 or 64")."""
-    lo = n // k * k
-    return f"{lo} or {lo + k}" if lo else f"{k}"
-
-
-def per_replica_size(global_batch_size: int, num_replicas: int) -> int:
-    """``global_batch_size // num_replicas``; refuses an uneven split, saying what divides."""
-    if global_batch_size % num_replicas:
-        raise ValueError(
-            f"The global batch size ({global_batch_size}) must be divisible by the number of "
-            f"replicas ({num_replicas}): each replica gets an equal share. Use a "
-            f"global batch size that is a multiple of {num_replicas} "
-            f"(e.g. {multiples(global_batch_size, num_replicas)})."
-        )
-    return global_batch_size // num_replicas
 
 
 def leaf_paths(leaves: list[Any], treedef: Any) -> list[str]:

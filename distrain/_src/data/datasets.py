@@ -69,7 +69,6 @@ MNIST_SHA256: dict[str, str] = {
 }
 
 
-
 class MNISTDownloadError(ConnectionError):
     """An MNIST file is not cached and cannot be downloaded.
 

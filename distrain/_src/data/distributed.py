@@ -36,7 +36,7 @@ import collections
 import time
 import weakref
 from collections.abc import Callable, Iterable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
@@ -54,14 +54,12 @@ from distrain._src.data.batches import (
 from distrain._src.data.options import BatchSizeRequests, InputContext, InputOptions, input_context
 from distrain._src.data.pipeline import ArrayPipeline
 from distrain._src.data.placement import local_replicas, place_global, place_local
+from distrain._src.replicas import Replicas
 from distrain._src.values import PerReplica
-
-if TYPE_CHECKING:
-    from distrain._src.strategy.base import Strategy
 
 
 def from_function(
-    strategy: Strategy, dataset_fn: Callable[[InputContext], Any], options: Any = None
+    strategy: Replicas, dataset_fn: Callable[[InputContext], Any], options: Any = None
 ) -> DistributedDataset:
     """``dataset_fn(ctx)`` of this process, distributed as process-local batches; the
     dataset owns the record of the batch sizes ``dataset_fn`` asked ``ctx`` about."""
@@ -77,7 +75,7 @@ class DistributedDataset:
 
     def __init__(
         self,
-        strategy: Strategy,
+        strategy: Replicas,
         dataset: Iterable[Any],
         options: InputOptions | None = None,
         *,
@@ -137,7 +135,7 @@ class DistributedDataset:
         return 1
 
     @property
-    def strategy(self) -> Strategy:
+    def strategy(self) -> Replicas:
         return self._strategy
 
     def __iter__(self) -> DistributedIterator:

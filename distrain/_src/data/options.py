@@ -12,16 +12,31 @@ per-replica form yielded without ``InputOptions(per_replica_batches=True)``.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, final
+from typing import final
 
 import jax
 import numpy as np
 
-from distrain._src.data.batches import per_replica_size
+from distrain._src.replicas import Replicas
 from distrain._src.validate import is_positive_int
 
-if TYPE_CHECKING:
-    from distrain._src.strategy.base import Strategy
+
+def multiples(n: int, k: int) -> str:
+    """The multiples of ``k`` nearest ``n``, for error messages ("56 or 64")."""
+    lo = n // k * k
+    return f"{lo} or {lo + k}" if lo else f"{k}"
+
+
+def per_replica_size(global_batch_size: int, num_replicas: int) -> int:
+    """``global_batch_size // num_replicas``; refuses an uneven split, saying what divides."""
+    if global_batch_size % num_replicas:
+        raise ValueError(
+            f"The global batch size ({global_batch_size}) must be divisible by the number of "
+            f"replicas ({num_replicas}): each replica gets an equal share. Use a "
+            f"global batch size that is a multiple of {num_replicas} "
+            f"(e.g. {multiples(global_batch_size, num_replicas)})."
+        )
+    return global_batch_size // num_replicas
 
 
 @final
@@ -159,7 +174,7 @@ class ValueContext:
     num_replicas_in_sync: int
 
 
-def input_context(strategy: Strategy, requests: BatchSizeRequests | None = None) -> InputContext:
+def input_context(strategy: Replicas, requests: BatchSizeRequests | None = None) -> InputContext:
     """This process's context for a ``dataset_fn`` of ``strategy`` (recording into
     ``requests``)."""
     return InputContext(

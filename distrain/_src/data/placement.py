@@ -11,26 +11,25 @@ assembled into the global array with ``jax.make_array_from_process_local_data``.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 
-from distrain._src.data.batches import batch_size, check_dtypes, per_replica_size
+from distrain._src.data.batches import batch_size, check_dtypes
+from distrain._src.data.options import per_replica_size
+from distrain._src.replicas import Replicas
 from distrain._src.values import PerReplica
 
-if TYPE_CHECKING:
-    from distrain._src.strategy.base import Strategy
 
-
-def local_replicas(strategy: Strategy) -> int:
+def local_replicas(strategy: Replicas) -> int:
     """The replicas of ``strategy`` whose devices belong to this process; 1 when a
     replica spans processes (this process feeds its devices' share of one replica)."""
     local = sum(d.process_index == jax.process_index() for d in strategy.devices)
     return max(1, local // strategy.devices_per_replica)
 
 
-def shard_global_batch(strategy: Strategy, batch: Any) -> PerReplica:
+def shard_global_batch(strategy: Replicas, batch: Any) -> PerReplica:
     """Splits a global batch over ``strategy``'s replicas; copies only local rows."""
     leaves, treedef = jax.tree.flatten(batch)
     check_dtypes(leaves, treedef)
@@ -38,7 +37,7 @@ def shard_global_batch(strategy: Strategy, batch: Any) -> PerReplica:
 
 
 def place_global(
-    strategy: Strategy, leaves: list[Any], treedef: Any, size: int, layout: bool = True
+    strategy: Replicas, leaves: list[Any], treedef: Any, size: int, layout: bool = True
 ) -> PerReplica:
     """``shard_global_batch`` of a batch already flattened and measured (``size`` rows);
     ``layout=False``: rows only, whatever the strategy's ``batch_layout`` says."""
@@ -58,7 +57,7 @@ def place_global(
 
 
 def place_local(
-    strategy: Strategy, leaves: list[Any], treedef: Any, local: int, layout: bool = True
+    strategy: Replicas, leaves: list[Any], treedef: Any, local: int, layout: bool = True
 ) -> PerReplica:
     """Assembles the global batch from this process's rows, already flattened, measured
     (``local`` rows) and checked to divide over its replicas (``batches.BatchShaper``)."""

@@ -44,6 +44,10 @@ from jax.sharding import PartitionSpec as P
 from distrain._src import context
 from distrain._src.context import ReduceOp
 from distrain._src.cross_device_ops import CrossDeviceOps, resolve
+from distrain._src.data.batches import batch_size
+from distrain._src.data.distributed import DistributedDataset, from_function
+from distrain._src.data.options import ValueContext, per_replica_size
+from distrain._src.data.placement import shard_global_batch
 from distrain._src.strategy import _checks, replica_mesh, sharded
 from distrain._src.strategy import _cross_replica as xr
 from distrain._src.strategy import layout as _layout
@@ -438,8 +442,6 @@ class Strategy(abc.ABC):
         """
         leaves = jax.tree.leaves(batch)
         if leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-            from distrain._src.data.batches import batch_size, per_replica_size
-
             treedef = jax.tree.structure(batch)
             rows = batch_size(leaves, treedef)
             per_replica_size(rows, self.num_replicas_in_sync)
@@ -449,8 +451,6 @@ class Strategy(abc.ABC):
                 for x, s in zip(leaves, shardings, strict=True)
             ]
             return PerReplica(jax.tree.unflatten(treedef, abstract), self.num_replicas_in_sync)
-        from distrain._src.data.placement import shard_global_batch
-
         return shard_global_batch(self, batch)
 
     def _to_compute(self, x: jax.Array) -> jax.Array:
@@ -643,8 +643,6 @@ class Strategy(abc.ABC):
         Accepts NumPy/JAX pytrees, grain datasets and loaders, and ``dt.data.ArrayPipeline``.
         On several processes each process reads only its own slice of every batch.
         """
-        from distrain._src.data.distributed import DistributedDataset
-
         context.require_cross_replica(self, "experimental_distribute_dataset")
         return DistributedDataset(self, dataset, options)
 
@@ -653,8 +651,6 @@ class Strategy(abc.ABC):
         rows, or, with ``dt.InputOptions(per_replica_batches=True)`` (TF's form, batched
         by ``ctx.get_per_replica_batch_size``), one per-replica batch per local replica
         and step. Every process must yield the same number of rows per step."""
-        from distrain._src.data.distributed import from_function
-
         context.require_cross_replica(self, "distribute_datasets_from_function")
         return from_function(self, dataset_fn, options)
 
@@ -667,8 +663,6 @@ class Strategy(abc.ABC):
           ValueError: the replicas' values differ in structure or in a leaf's shape.
           TypeError: a leaf that cannot go to a device (a string or object array).
         """
-        from distrain._src.data.options import ValueContext
-
         n = self.num_replicas_in_sync
         local = self._local_replicas()
         values = [value_fn(ValueContext(i, n)) for i, _ in local]

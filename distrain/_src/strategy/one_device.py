@@ -7,6 +7,7 @@ from contextlib import AbstractContextManager, nullcontext
 
 import jax
 
+from distrain._src import context
 from distrain._src.strategy.base import Strategy
 from distrain._src.strategy.devices import DeviceSpec, parse_device
 
@@ -42,3 +43,6 @@ class _DefaultStrategy(Strategy):
 @functools.cache
 def default_strategy() -> Strategy:
     return _DefaultStrategy()
+
+
+context.register_default_strategy(default_strategy)

@@ -41,7 +41,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from distrain._src.context import get_strategy
+from distrain._src.current import get_strategy
 from distrain._src.padding import MASK_KEY
 from distrain._src.strategy.base import Strategy
 from distrain._src.train import _functions as F

@@ -1,0 +1,90 @@
+"""The house: which private modules import which (top-level, function-local and
+type-only imports alike), read from the source."""
+
+import ast
+from pathlib import Path
+
+SRC = Path(__file__).parents[1] / "distrain" / "_src"
+
+
+def imports() -> dict[str, set[str]]:
+    """``{module: modules of distrain._src it imports}`` (packages as their __init__)."""
+    modules = {
+        ".".join(p.relative_to(SRC.parent.parent).with_suffix("").parts).removesuffix(
+            ".__init__"
+        ): p
+        for p in SRC.rglob("*.py")
+    }
+    graph: dict[str, set[str]] = {m: set() for m in modules}
+    for name, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets = []
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            graph[name] |= {t for t in targets if t in modules and t != name}
+    return graph
+
+
+def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
+    """The strongly connected components with more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[set[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circle_runs_through_the_data_path_or_the_parameter_servers():
+    """data/ needs of a strategy only its placement (replicas.Replicas): strategy/
+    imports data/, never the other way round, not even for types; the parameter-server
+    package's modules import each other, but no circle leaves it (the replica context
+    names no strategy class: dt.get_strategy's typed wrapper is current.py)."""
+    graph = imports()
+    assert not any(
+        m.startswith("distrain._src.strategy") for m in _reach(graph, "distrain._src.data")
+    )
+    for component in cycles(graph):
+        assert not any(m.startswith("distrain._src.data") for m in component), component
+        if any(m.startswith("distrain._src.ps") for m in component):
+            assert all(m.startswith("distrain._src.ps") for m in component), component
+
+
+def _reach(graph: dict[str, set[str]], package: str) -> set[str]:
+    seen: set[str] = set()
+    todo = [m for m in graph if m.startswith(package)]
+    while todo:
+        for w in graph[todo.pop()]:
+            if w not in seen:
+                seen.add(w)
+                todo.append(w)
+    return seen
+
+
+if __name__ == "__main__":
+    for c in cycles(imports()):
+        print(sorted(c))
