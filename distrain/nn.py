@@ -1,0 +1,23 @@
+"""Framework ops a model calls inside a replica (``dt.nn``).
+
+They read the replica's named mesh (``devices_per_replica={"context": 4, ...}``) and
+split their work over their axis; without that axis they are the plain JAX op.
+
+Example:
+  >>> y = dt.nn.dot_product_attention(q, k, v, is_causal=True, segment_ids=seg)
+  >>> batch = dt.nn.load_balance(batch, axis_size=4)     # in the input path
+"""
+
+from distrain._src.nn.attention import dot_product_attention as dot_product_attention
+from distrain._src.nn.load_balance import LoadBalance as LoadBalance
+from distrain._src.nn.load_balance import load_balance as load_balance
+from distrain._src.nn.load_balance import load_balance_inverse as load_balance_inverse
+from distrain._src.nn.load_balance import load_balance_order as load_balance_order
+
+__all__ = [
+    "LoadBalance",
+    "dot_product_attention",
+    "load_balance",
+    "load_balance_inverse",
+    "load_balance_order",
+]
