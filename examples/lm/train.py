@@ -8,8 +8,16 @@ through ``Trainer.fit``) and from ``benchmarks/lm.py`` (``strategy.run`` and a b
 
 The loss is the mean over *tokens*: ``dt.compute_average_loss`` of per-token losses
 ``[B, T]``, divided by the tokens of the global batch (or, on padded evaluation
-batches, by the real tokens over all replicas, via the ``mask`` column), so summing
-gradients over replicas gives the global mean's gradient on any number of devices.
+batches and packed rows, by the real tokens over all replicas, via the ``mask`` column
+and the segment ids), so summing gradients over replicas gives the global mean's
+gradient on any number of devices.
+
+Two batch formats: ``{"tokens": uint8[B, T + 1]}`` (a window of the byte stream:
+inputs ``tokens[:, :-1]``, targets ``tokens[:, 1:]``) and packed rows
+``{"inputs", "targets", "segment_ids", "positions"}`` of ``[B, T]``
+(``examples/lm/data.py:pack_documents``; padding has segment id 0 and weight 0). A
+mean over tokens does not depend on their order, so rows reordered by
+``dt.nn.load_balance`` give the same loss.
 """
 
 from __future__ import annotations
@@ -34,7 +42,7 @@ from flax import nnx
 import distrain as dt
 from examples.lm.model import LMConfig, Transformer, count_params, flops_per_token, make_apply_fn
 
-ApplyFn = Callable[[Any, jax.Array], jax.Array]
+ApplyFn = Callable[..., jax.Array]
 
 
 @jax.tree_util.register_dataclass
@@ -51,13 +59,23 @@ def _token_losses(
     params: Any, batch: dict[str, jax.Array], apply_fn: ApplyFn, mask_key: str
 ) -> tuple[jax.Array, jax.Array | None]:
     """Per-token cross-entropy ``[B, T]`` and the token weights (``None``: all count)."""
-    tokens = batch["tokens"].astype(jnp.int32)  # uint8 rows of seq_len + 1 bytes
-    logits = apply_fn(params, tokens[:, :-1])
-    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
-    mask = batch.get(mask_key) if mask_key else None
     weights = None
+    if "inputs" in batch:  # packed rows: documents kept apart, padding weighs 0
+        seg = batch["segment_ids"].astype(jnp.int32)
+        logits = apply_fn(
+            params, batch["inputs"].astype(jnp.int32), seg, batch["positions"].astype(jnp.int32)
+        )
+        targets = batch["targets"].astype(jnp.int32)
+        weights = (seg > 0).astype(jnp.float32)
+    else:
+        tokens = batch["tokens"].astype(jnp.int32)  # uint8 rows of seq_len + 1 bytes
+        logits = apply_fn(params, tokens[:, :-1])
+        targets = tokens[:, 1:]
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    mask = batch.get(mask_key) if mask_key else None
     if mask is not None:  # padded rows of a partial batch: [B] -> every token of the row
-        weights = jnp.broadcast_to(mask.astype(per_token.dtype)[:, None], per_token.shape)
+        rows = jnp.broadcast_to(mask.astype(per_token.dtype)[:, None], per_token.shape)
+        weights = rows if weights is None else weights * rows
     return per_token, weights
 
 
@@ -177,7 +195,10 @@ class Settings:
     devices: int | None = None  # None: all local devices
     shard_state: bool = False
     # > 1 (or "process"): a replica spans devices, state FSDP-split over them
-    devices_per_replica: int | str = 1
+    devices_per_replica: int | str | dict[str, int] = 1
+    # the strategy's layout, logical_axis_rules and batch_layout (a sequence split over
+    # "context": {"inputs|targets|segment_ids|positions": P(None, "context")})
+    layout_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
     peak_flops: float | None = None  # per device; None: the table's (none on CPU)
     profile: tuple[int, int] | None = None
     prompts: tuple[str, ...] = ("def ", "import ", "class ")
@@ -208,6 +229,11 @@ def settings_from_config(path: str, overrides: list[str] | tuple[str, ...] = ())
         seed=cfg.seed,
         shard_state=cfg.strategy.shard_state,
         devices_per_replica=cfg.strategy.devices_per_replica,
+        layout_kwargs={
+            k: v
+            for k, v in cfg.strategy.layout_kwargs().items()
+            if k != "devices_per_replica" and v is not None
+        },
     )
 
 
@@ -238,7 +264,10 @@ def make_strategy(s: Settings) -> dt.Strategy:
             f"({jax.device_count()}); use {jax.device_count()} or fewer."
         )
     return dt.MirroredStrategy(
-        devices, shard_state=s.shard_state, devices_per_replica=s.devices_per_replica
+        devices,
+        shard_state=s.shard_state,
+        devices_per_replica=s.devices_per_replica,
+        **s.layout_kwargs,
     )
 
 
@@ -270,7 +299,7 @@ def train_and_evaluate(
     cfg = s.model
     n_params = count_params(cfg)
     fpt = flops_per_token(cfg)
-    rows = {k: v["tokens"].shape[0] for k, v in splits.items()}
+    rows = {k: len(next(iter(v.values()))) for k, v in splits.items()}
     log(
         f"model: {n_params['total']:,} parameters, {fpt / 1e6:.2f} MFLOPs/token; {n} replicas "
         f"on {jax.devices()[0].device_kind}; train {rows['train']:,} x {cfg.seq_len} tokens, "
