@@ -75,6 +75,8 @@ class LMConfig:
       positions: ``"rope"`` (rotary, no parameters) or ``"learned"`` (GPT-2's table).
       dtype: compute dtype, ``"float32"`` or ``"bfloat16"`` (parameters stay float32).
       remat: a key of :data:`REMAT_POLICIES`: what each block saves for the backward pass.
+      attention: ``dt.nn.dot_product_attention``'s implementation over a split sequence,
+        ``"ring"`` or ``"all_gather"`` (``None``: ring); no effect on a whole sequence.
     """
 
     vocab_size: int = 256
@@ -86,6 +88,7 @@ class LMConfig:
     positions: Literal["rope", "learned"] = "rope"
     dtype: Literal["float32", "bfloat16"] = "float32"
     remat: str = "none"
+    attention: Literal["ring", "all_gather"] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
@@ -171,7 +174,13 @@ class Attention(nnx.Module):
         # The sequence whole: jax.nn.dot_product_attention (cuDNN flash attention on a
         # GPU when the dtype and head size allow). Split over "context": ring attention.
         y = dt.nn.dot_product_attention(
-            q, k, v, is_causal=True, segment_ids=ctx.segment_ids, positions=ctx.positions
+            q,
+            k,
+            v,
+            is_causal=True,
+            segment_ids=ctx.segment_ids,
+            positions=ctx.positions,
+            implementation=cfg.attention,
         )
         return self.out(y.reshape(b, t, cfg.d_model))
 
