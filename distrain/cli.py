@@ -6,6 +6,9 @@ Subcommands:
   config (see ``configs/``); overrides use dotted keys, e.g. ``train.epochs=3``.
 * ``distrain launch [options] -- PROGRAM ...``: run N processes of a program on this
   machine as one multi-worker job (see ``distrain launch --help``).
+* ``distrain plan --config FILE --devices N [--device-memory 80GiB] [--json]``: will the
+  config's step fit on N devices? Compiled from abstract shapes, nothing allocated
+  (see ``distrain plan --help``).
 
 Errors: a user error (a bad config, data that cannot be loaded, a bad batch size, an
 exception from your own code) is one ``distrain train: error: ...`` line on stderr,
@@ -25,6 +28,7 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 _TRAIN_EPILOG = """\
 overrides:
@@ -65,10 +69,15 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show the full traceback of an error (also: DISTRAIN_DEBUG=1)",
     )
-    # `launch` is parsed by distrain._src.cluster.launch; listed here for `distrain --help`.
+    # `launch` and `plan` parse their own arguments; listed here for `distrain --help`.
     sub.add_parser(
         "launch",
         help="run N processes of a program as one multi-worker job",
+        add_help=False,
+    )
+    sub.add_parser(
+        "plan",
+        help="will a config's step fit on N devices? (abstract shapes, nothing allocated)",
         add_help=False,
     )
     return parser
@@ -78,10 +87,10 @@ def _debug_wanted(args: argparse.Namespace) -> bool:
     return bool(args.debug) or os.environ.get("DISTRAIN_DEBUG", "").strip() not in ("", "0")
 
 
-def _error(message: str) -> None:
+def _error(message: str, command: str = "train") -> None:
     # One line, whatever the exception's message looks like: logs and launchers that
     # prefix each line with the process stay readable.
-    print(f"distrain train: error: {' '.join(message.split())}", file=sys.stderr)
+    print(f"distrain {command}: error: {' '.join(message.split())}", file=sys.stderr)
 
 
 # Errors raised by checks of what the user passed (values, types, files, the network):
@@ -112,18 +121,32 @@ def _train(args: argparse.Namespace) -> int:
     # `python -m`: a console script's sys.path starts at its own bin/ directory.
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
-    try:
+
+    def train() -> int:
         run_config(cfg, progress_bar=not args.no_progress)
+        return 0
+
+    return run_reporting_errors("train", train, debug)
+
+
+def run_reporting_errors(command: str, fn: Any, debug: bool | None = None) -> int:
+    """``fn()``'s exit status, or a one-line ``distrain COMMAND: error: ...`` and 2 (a
+    user's error) or 1 (anything else); the traceback with ``--debug``/DISTRAIN_DEBUG."""
+    from distrain._src.train.config_errors import ConfigError
+
+    if debug is None:
+        debug = os.environ.get("DISTRAIN_DEBUG", "").strip() not in ("", "0")
+    try:
+        return int(fn() or 0)
     except Exception as e:
         if debug:
             raise
         hint = " (run with --debug or DISTRAIN_DEBUG=1 for the traceback)"
         if isinstance(e, ConfigError):
-            _error(str(e))
+            _error(str(e), command)
             return 2
-        _error(f"{type(e).__name__}: {e}{hint}")
+        _error(f"{type(e).__name__}: {e}{hint}", command)
         return 2 if isinstance(e, _USER_ERRORS) else 1
-    return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -133,6 +156,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from distrain._src.cluster.launch import main as launch_main
 
         return launch_main(argv[1:])
+    if argv and argv[0] == "plan":
+        from distrain._src.train.plan import main as plan_main
+
+        return run_reporting_errors("plan", lambda: plan_main(argv[1:]))
     parser = _parser()
     args = parser.parse_args(argv)
     if args.command is None:

@@ -305,8 +305,10 @@ def _nan_fit(callbacks, epochs=20, nan_at=0):
 def test_terminate_on_nan():
     # keras: TerminateOnNaNTest.test_TerminateOnNaN (one epoch in the history, its
     # loss NaN or inf) and test_terminate_on_nan_graceful_stop (no error raised)
-    with pytest.warns(RuntimeWarning, match="metric 'loss' is (nan|inf) at step 1"):
+    with pytest.warns(RuntimeWarning, match="metric 'loss' is (nan|inf) at step 1") as seen:
         _, history = _nan_fit([cb.TerminateOnNaN()])
+    # Code written for distrain < 0.2, when this raised, is told how to get that back.
+    assert "TerminateOnNaN(raise_error=True)" in str(seen[0].message)
     loss = history.history["loss"]
     assert len(loss) == 1 and not np.isfinite(loss[0])
 

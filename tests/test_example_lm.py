@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import distrain as dt
 from distrain._src.cluster.launch import free_port
@@ -322,6 +323,26 @@ def test_one_eight_and_sharded_replicas_agree_after_two_steps(devices, strategy8
     for other in (eight, sharded):
         assert other[1] == pytest.approx(one[1], rel=1e-5)
         jax.tree.map(close, other[0], one[0])
+
+
+def test_megatron_tensor_parallelism_with_fsdp_equals_one_device(devices, model, splits):
+    """One replica of {fsdp: 4, tensor: 2} with the example's Megatron rules and its
+    hidden-state constraint: the rules lay out the parameters (and moments) as written,
+    and two SGD steps give one device's parameters (summation order aside)."""
+    from examples.lm.model import TENSOR_PARALLEL_LAYOUT
+
+    strategy = dt.MirroredStrategy(
+        devices_per_replica={"fsdp": 4, "tensor": 2}, layout=TENSOR_PARALLEL_LAYOUT
+    )
+    placed = strategy.put_replicated(model[1])
+    block = placed.params["blocks"][0]
+    assert block["attn"]["qkv"]["kernel"].sharding.spec == P("fsdp", "tensor")
+    assert block["mlp"]["proj"]["kernel"].sharding.spec == P("tensor", "fsdp")
+    assert placed.params["embed"]["embedding"].sharding.spec == P("tensor", "fsdp")
+    one = _fit(dt.MirroredStrategy(devices[:1]), model, splits["train"], 2)
+    tp = _fit(strategy, model, splits["train"], 2)
+    assert tp[1] == pytest.approx(one[1], rel=1e-5)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), tp[0], one[0])
 
 
 def test_resume_from_a_backup_is_exact(strategy8, model, splits, tmp_path):

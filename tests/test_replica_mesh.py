@@ -333,9 +333,8 @@ def test_a_batch_layout_splits_the_sequence_over_context(devices):
             state, _ = trainer.fit(token_state(), pipe, epochs=1)
             results[name, mode] = jax.device_get(state.params)
     for mode in ("host", "device"):
-        for a, b in zip(
-            jax.tree.leaves(results["context", mode]), jax.tree.leaves(results["mirrored", mode])
-        ):
+        got, want = results["context", mode], results["mirrored", mode]
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
 
 

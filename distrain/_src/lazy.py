@@ -4,7 +4,8 @@
 tensorboardX and the parameter-server backends, which a training script that uses
 none of them pays for at every start (and so does every subprocess a test or the
 launcher starts). A package lists such names in a ``{name: "module[:attr]"}`` table
-and installs :func:`exports`' module ``__getattr__`` / ``__dir__``.
+and installs :func:`exports`' module ``__getattr__`` / ``__dir__``, which also serves the
+module's deprecated names (``deprecations.py``).
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable
 from typing import Any
+
+from distrain._src import deprecations
 
 
 def exports(
@@ -25,7 +28,7 @@ def exports(
     """
     name = namespace["__name__"]
 
-    def __getattr__(attr: str) -> Any:
+    def lazy(attr: str) -> Any:
         target = table.get(attr)
         if target is None:
             raise AttributeError(f"module {name!r} has no attribute {attr!r}")
@@ -38,4 +41,4 @@ def exports(
     def __dir__() -> list[str]:
         return sorted(set(namespace) | set(table))
 
-    return __getattr__, __dir__
+    return deprecations.getattr_hook(name, lazy), __dir__

@@ -35,12 +35,15 @@ from typing import Any, Literal
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 import distrain as dt
 
 __all__ = [
     "REMAT_POLICIES",
+    "TENSOR_PARALLEL_LAYOUT",
     "LMConfig",
+    "constrain_hidden",
     "Transformer",
     "count_params",
     "flops_per_token",
@@ -125,6 +128,34 @@ class LMConfig:
     @property
     def ff(self) -> int:
         return self.d_ff if self.d_ff is not None else 4 * self.d_model
+
+
+def constrain_hidden(x: jax.Array) -> jax.Array:
+    """Hidden states ``[B, T, D]`` laid out as Megatron does when the step runs on a
+    replica mesh with an ``"fsdp"`` axis: rows split over it, whole over ``"tensor"``
+    (every tensor-parallel device needs the whole hidden state of its rows), the
+    sequence split over ``"context"`` if the replica has it. A no-op elsewhere (one
+    device, data parallelism, plain ``jax.jit``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "fsdp" not in mesh.axis_names or x.shape[0] % mesh.shape["fsdp"]:
+        return x
+    seq = "context" if "context" in mesh.axis_names else None
+    return jax.lax.with_sharding_constraint(x, P("fsdp", seq, None))
+
+
+# Megatron-style tensor parallelism for a replica mesh {"fsdp": F, "tensor": T}: the
+# first matmul of each pair split by columns over "tensor", the second by rows, so the
+# activations between them stay split and one all-reduce per pair joins them; every
+# kernel's other dimension, and the token table, split over "fsdp" (FSDP).
+TENSOR_PARALLEL_LAYOUT = {
+    "attn/qkv/kernel": P("fsdp", "tensor"),
+    "attn/qkv/bias": P("tensor"),
+    "attn/out/kernel": P("tensor", "fsdp"),
+    "mlp/fc/kernel": P("fsdp", "tensor"),
+    "mlp/fc/bias": P("tensor"),
+    "mlp/proj/kernel": P("tensor", "fsdp"),
+    "embed/embedding": P("tensor", "fsdp"),
+}
 
 
 def rope_tables(positions: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array]:
@@ -266,7 +297,7 @@ class Transformer(nnx.Module):
         ctx = Context(rope, segment_ids, positions)
         call = _remat(cfg.remat)
         for block in self.blocks:
-            x = call(block, x, ctx)
+            x = constrain_hidden(call(block, x, ctx))
         # The tied head in the compute dtype; logits (and so the loss) in float32.
         return self.embed.attend(self.norm(x)).astype(jnp.float32)
 

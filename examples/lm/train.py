@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
 import json
 import math
 import os
@@ -195,10 +196,11 @@ class Settings:
     devices: int | None = None  # None: all local devices
     shard_state: bool = False
     # > 1 (or "process"): a replica spans devices, state FSDP-split over them
-    devices_per_replica: int | str | dict[str, int] = 1
-    # the strategy's layout, logical_axis_rules and batch_layout (a sequence split over
-    # "context": {"inputs|targets|segment_ids|positions": P(None, "context")})
-    layout_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    devices_per_replica: Any = 1  # an int, "process" or {axis: size}
+    layout: Any = None  # layout rules for a replica mesh (dt.MirroredStrategy's layout)
+    # batch_layout of the strategy (a sequence split over "context":
+    # {"inputs|targets|segment_ids|positions": P(None, "context")})
+    batch_layout: Any = None
     peak_flops: float | None = None  # per device; None: the table's (none on CPU)
     profile: tuple[int, int] | None = None
     prompts: tuple[str, ...] = ("def ", "import ", "class ")
@@ -229,12 +231,17 @@ def settings_from_config(path: str, overrides: list[str] | tuple[str, ...] = ())
         seed=cfg.seed,
         shard_state=cfg.strategy.shard_state,
         devices_per_replica=cfg.strategy.devices_per_replica,
-        layout_kwargs={
-            k: v
-            for k, v in cfg.strategy.layout_kwargs().items()
-            if k != "devices_per_replica" and v is not None
-        },
+        layout=_layout(cfg.strategy.layout_kwargs()["layout"]),
+        batch_layout=cfg.strategy.layout_kwargs()["batch_layout"],
     )
+
+
+def _layout(value: Any) -> Any:
+    """Layout rules from a config: specs, or the import path of rules kept in code."""
+    if isinstance(value, str):
+        module, _, name = value.partition(":")
+        return getattr(importlib.import_module(module), name)
+    return value
 
 
 def init_state(s: Settings) -> tuple[ApplyFn, dt.TrainState]:
@@ -267,7 +274,8 @@ def make_strategy(s: Settings) -> dt.Strategy:
         devices,
         shard_state=s.shard_state,
         devices_per_replica=s.devices_per_replica,
-        **s.layout_kwargs,
+        layout=s.layout,
+        batch_layout=s.batch_layout,
     )
 
 

@@ -73,7 +73,8 @@ class StrategyConfig(_Section):
         its named inner axes, e.g. ``{fsdp: 4, tensor: 2}`` (docs/scaling.md).
       layout: with ``devices_per_replica``: ``{path pattern: spec}`` rules, a spec being
         a list with one entry per dimension: an inner axis, a list of axes, a logical
-        name or ``null``, e.g. ``{"mlp/fc/kernel": [fsdp, tensor]}``.
+        name or ``null``, e.g. ``{"mlp/fc/kernel": [fsdp, tensor]}``; or the import path
+        of rules kept in code (``examples.lm.model:TENSOR_PARALLEL_LAYOUT``).
       logical_axis_rules: ``{logical name: inner axis, list of axes or null}``.
       batch_layout: ``{batch leaf pattern: spec}`` (a spec as in ``layout``, its first
         entry ``null`` for the rows), e.g. ``{tokens: [null, context]}``.
@@ -87,7 +88,7 @@ class StrategyConfig(_Section):
     devices_per_replica: (
         pydantic.PositiveInt | Literal["process"] | dict[str, pydantic.PositiveInt]
     ) = 1
-    layout: dict[str, list[str | list[str] | None]] | None = None
+    layout: dict[str, list[str | list[str] | None]] | str | None = None
     logical_axis_rules: dict[str, str | list[str] | None] | None = None
     batch_layout: dict[str, list[str | list[str] | None]] | None = None
 
@@ -130,7 +131,7 @@ class StrategyConfig(_Section):
         )
         return {
             "devices_per_replica": self.devices_per_replica,
-            "layout": specs(self.layout),
+            "layout": self.layout if isinstance(self.layout, str) else specs(self.layout),
             "logical_axis_rules": logical,
             "batch_layout": specs(self.batch_layout),
         }
@@ -151,6 +152,15 @@ class ModelConfig(_Section):
     kwargs: dict[str, Any] = {}
 
 
+class LeafShape(_Section):
+    """One batch leaf's row: its shape without the batch dimension, and its dtype."""
+
+    shape: list[pydantic.NonNegativeInt]
+    dtype: Literal["float32", "bfloat16", "float16", "int32", "int64", "uint8", "bool"] = (
+        "float32"
+    )
+
+
 class DataConfig(_Section):
     """The data: ``fn(**kwargs)`` returns ``{"train": ..., "test": ...}`` (optionally
     ``"validation"``), each a dict of NumPy arrays (batched here with
@@ -164,6 +174,9 @@ class DataConfig(_Section):
       shuffle: reshuffle the training rows every epoch.
       validation_split: split evaluated after epochs (``"validation"``, ``"test"`` or
         ``None`` for no validation during ``fit``).
+      abstract: for ``distrain plan``: each batch leaf's row shape and dtype, e.g.
+        ``{tokens: {shape: [2049], dtype: int32}}``, so that planning loads no data
+        (without it, plan reads the ``train`` split's shapes from ``fn``).
     """
 
     fn: str = Field(description=_IMPORT_PATH)
@@ -172,6 +185,7 @@ class DataConfig(_Section):
     eval_batch_size: int | None = Field(default=None, ge=1)
     shuffle: bool = True
     validation_split: str | None = "test"
+    abstract: dict[str, LeafShape] | None = None
 
 
 class OptimizerConfig(_Section):

@@ -51,6 +51,15 @@ def resolve_callable(path: str, field: str) -> Callable[..., Any]:
       ConfigError: naming ``field``, if the module or attribute is missing (with the
         closest attribute name) or the object is not callable.
     """
+    obj = resolve_import(path, field)
+    if not callable(obj):
+        raise ConfigError(f"Config field {field!r}: {path!r} is not callable ({obj!r}).")
+    return obj
+
+
+def resolve_import(path: str, field: str) -> Any:
+    """The object ``package.module:name`` names (``resolve_callable`` without the
+    callable check)."""
     if ":" in path:
         module_name, _, attr = path.partition(":")
     else:
@@ -77,8 +86,6 @@ def resolve_callable(path: str, field: str) -> Callable[..., Any]:
                 f"Config field {field!r}: module {module_name!r} has no attribute {part!r}.{hint}"
             )
         obj = getattr(obj, part)
-    if not callable(obj):
-        raise ConfigError(f"Config field {field!r}: {path!r} is not callable ({obj!r}).")
     return obj
 
 
@@ -102,8 +109,11 @@ def build_strategy(cfg: StrategyConfig) -> Strategy:
     """The strategy a config names (created first: multi-worker joins the cluster here)."""
     import distrain as dt
 
+    layout = cfg.layout_kwargs()
+    if isinstance(cfg.layout, str):  # rules kept in code, e.g. the LM example's
+        layout["layout"] = resolve_import(cfg.layout, "strategy.layout")
     if cfg.name == "mirrored":
-        return dt.MirroredStrategy(cfg.devices, shard_state=cfg.shard_state, **cfg.layout_kwargs())
+        return dt.MirroredStrategy(cfg.devices, shard_state=cfg.shard_state, **layout)
     if cfg.name == "one_device":
         return dt.OneDeviceStrategy(cfg.devices[0] if cfg.devices else jax.devices()[0])
     if cfg.name == "default":
@@ -117,7 +127,7 @@ def build_strategy(cfg: StrategyConfig) -> Strategy:
             )
         return current
     if cfg.name == "multi_worker_mirrored":
-        return dt.MultiWorkerMirroredStrategy(shard_state=cfg.shard_state, **cfg.layout_kwargs())
+        return dt.MultiWorkerMirroredStrategy(shard_state=cfg.shard_state, **layout)
     return dt.experimental.CentralStorageStrategy(compute_devices=cfg.devices)
 
 

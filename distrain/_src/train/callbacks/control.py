@@ -156,7 +156,8 @@ class TerminateOnNaN(Callback):
 
     By default the stop is graceful, as in Keras: ``fit`` ends after the current step
     and returns (the epoch's metrics, NaN included, are in the history), with a
-    ``RuntimeWarning`` naming the metric and the step. With ``raise_error=True`` it raises
+    ``RuntimeWarning`` naming the metric and the step, and saying that distrain before
+    0.2 raised instead (``CHANGELOG.md``). With ``raise_error=True`` it raises
     ``RuntimeError`` instead, and the other callbacks' ``on_train_end`` is not called
     (they get ``on_train_abort``).
 
@@ -198,7 +199,14 @@ class TerminateOnNaN(Callback):
             )
             if self.raise_error:
                 raise RuntimeError(message)
-            warnings.warn(message, RuntimeWarning, stacklevel=2)
+            # Until cf2e411 this callback raised; say so to code written for that.
+            warnings.warn(
+                f"{message} fit returns normally (as Keras's TerminateOnNaN); distrain "
+                "before 0.2 raised RuntimeError here: pass TerminateOnNaN(raise_error=True) "
+                "for that.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
             self._stopped = True
             if t is not None:
                 t.stop_training = True
