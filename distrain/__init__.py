@@ -63,6 +63,7 @@ _LAZY = {
     "config": "distrain.config",
     "data": "distrain.data",
     "experimental": "distrain.experimental",
+    "nn": "distrain.nn",
     "InputContext": "distrain._src.data.options:InputContext",
     "InputOptions": "distrain._src.data.options:InputOptions",
 }
@@ -72,6 +73,7 @@ if TYPE_CHECKING:
     from distrain import config as config
     from distrain import data as data
     from distrain import experimental as experimental
+    from distrain import nn as nn
     from distrain._src.data.options import InputContext as InputContext
     from distrain._src.data.options import InputOptions as InputOptions
 else:
@@ -119,6 +121,7 @@ __all__ = [
     "initialize_distributed",
     "metrics",
     "mixed_precision",
+    "nn",
     "resolve_cluster",
     "scale_regularization_loss",
 ]

@@ -202,3 +202,18 @@ def test_scripts_run_and_write_json(tmp_path, module, args, expect):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert expect in proc.stdout
     assert json.loads(out.read_text())["devices"] == 2
+
+
+def test_long_context_script_runs(tmp_path):
+    """benchmarks/long_context.py at a small length: the ring equals jax's attention."""
+    out = tmp_path / "out.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.long_context", "--only", "equality",
+         "--equality-seq", "256", "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "XLA_FLAGS": ""}, capture_output=True, text=True,
+        timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    errors = json.loads(out.read_text())["equality"]
+    assert set(errors) == {"forward", "grad_q", "grad_k", "grad_v"}
+    assert max(errors.values()) < 1e-5

@@ -27,6 +27,7 @@ PUBLIC = (
     "distrain.experimental.partitioners",
     "distrain.metrics",
     "distrain.mixed_precision",
+    "distrain.nn",
 )
 
 

@@ -369,3 +369,13 @@ def test_an_unknown_primitive_whose_sub_program_reads_the_replica_id_is_varying(
     jaxpr = _jaxpr(lambda x: prim.bind(x, body=inner), jnp.int32(1))
     with pytest.warns(RuntimeWarning, match="opaque_call.*reads the replica id"):
         assert _flags(jaxpr, [False]) == [True]
+
+
+def test_data_moved_inside_a_replica_keeps_replicated_values_replicated():
+    """A ppermute over an inner axis (dt.nn's ring attention over "context") moves each
+    replica's own data alike; over the replica axis it makes values differ."""
+    axes = ((AXIS, 2), ("context", 4))
+    inner = _jaxpr(lambda x: jax.lax.ppermute(x, "context", [(0, 1), (1, 0)]), 1.0, axes=axes)
+    across = _jaxpr(lambda x: jax.lax.ppermute(x, AXIS, [(0, 1), (1, 0)]), 1.0, axes=axes)
+    assert _flags(inner, [False]) == [False] and _flags(inner, [True]) == [True]
+    assert _flags(across, [False]) == [True]

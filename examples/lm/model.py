@@ -1,9 +1,16 @@
 """A decoder-only transformer in flax NNX, from ~1M parameters to GPT-2 small.
 
 Pre-norm blocks (``x + attn(norm(x))``, ``x + mlp(norm(x))``), causal self-attention
-through ``jax.nn.dot_product_attention(..., implementation=None)`` (XLA on CPU; on a
-GPU with bf16 inputs JAX picks the cuDNN fused "flash" kernel), rotary or learned
+through ``dt.nn.dot_product_attention`` (``jax.nn.dot_product_attention`` where the
+sequence is whole: XLA on CPU, cuDNN's fused kernel on a GPU with bf16 inputs; ring
+attention where the replica splits the sequence over ``"context"``), rotary or learned
 positions, a GELU MLP and an output head tied to the token embedding (as GPT-2).
+
+Packed rows (several documents per row) pass ``segment_ids`` and ``positions``
+(``[B, T]``): attention stays inside a document and positions restart with it; a
+load-balanced row (``dt.nn.load_balance``) passes its permuted positions the same way.
+``remat`` recomputes each block's activations in the backward pass by a
+``jax.checkpoint_policies`` policy (see :data:`REMAT_POLICIES`).
 
 Parameters are float32; ``dtype="bfloat16"`` runs the matmuls and attention in bf16
 (mixed precision) and computes the logits and the loss in float32.
@@ -30,7 +37,10 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+import distrain as dt
+
 __all__ = [
+    "REMAT_POLICIES",
     "TENSOR_PARALLEL_LAYOUT",
     "LMConfig",
     "constrain_hidden",
@@ -42,6 +52,16 @@ __all__ = [
 ]
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# What a block keeps for its backward pass (jax.checkpoint_policies): "none" keeps
+# everything (no remat); "offload_dots" keeps matmul outputs in host memory.
+REMAT_POLICIES: dict[str, Callable[[], Any] | None] = {
+    "none": None,
+    "dots_saveable": lambda: jax.checkpoint_policies.dots_saveable,
+    "nothing_saveable": lambda: jax.checkpoint_policies.nothing_saveable,
+    "offload_dots": lambda: jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+        "device", "pinned_host"
+    ),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,6 +77,9 @@ class LMConfig:
       d_ff: hidden width of the MLP (default ``4 * d_model``).
       positions: ``"rope"`` (rotary, no parameters) or ``"learned"`` (GPT-2's table).
       dtype: compute dtype, ``"float32"`` or ``"bfloat16"`` (parameters stay float32).
+      remat: a key of :data:`REMAT_POLICIES`: what each block saves for the backward pass.
+      attention: ``dt.nn.dot_product_attention``'s implementation over a split sequence,
+        ``"ring"`` or ``"all_gather"`` (``None``: ring); no effect on a whole sequence.
     """
 
     vocab_size: int = 256
@@ -67,6 +90,8 @@ class LMConfig:
     d_ff: int | None = None
     positions: Literal["rope", "learned"] = "rope"
     dtype: Literal["float32", "bfloat16"] = "float32"
+    remat: str = "none"
+    attention: Literal["ring", "all_gather"] | None = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
@@ -87,6 +112,10 @@ class LMConfig:
             raise ValueError(
                 f"LMConfig.positions must be 'rope' or 'learned'. Received: {self.positions!r}."
             )
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"LMConfig.remat must be one of {list(REMAT_POLICIES)}. Received: {self.remat!r}."
+            )
         if self.dtype not in _DTYPES:
             raise ValueError(
                 f"LMConfig.dtype must be one of {sorted(_DTYPES)}. Received: {self.dtype!r}."
@@ -104,12 +133,14 @@ class LMConfig:
 def constrain_hidden(x: jax.Array) -> jax.Array:
     """Hidden states ``[B, T, D]`` laid out as Megatron does when the step runs on a
     replica mesh with an ``"fsdp"`` axis: rows split over it, whole over ``"tensor"``
-    (every tensor-parallel device needs the whole hidden state of its rows). A no-op
-    elsewhere (one device, data parallelism, plain ``jax.jit``)."""
+    (every tensor-parallel device needs the whole hidden state of its rows), the
+    sequence split over ``"context"`` if the replica has it. A no-op elsewhere (one
+    device, data parallelism, plain ``jax.jit``)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or "fsdp" not in mesh.axis_names or x.shape[0] % mesh.shape["fsdp"]:
         return x
-    return jax.lax.with_sharding_constraint(x, P("fsdp", None, None))
+    seq = "context" if "context" in mesh.axis_names else None
+    return jax.lax.with_sharding_constraint(x, P("fsdp", seq, None))
 
 
 # Megatron-style tensor parallelism for a replica mesh {"fsdp": F, "tensor": T}: the
@@ -127,18 +158,29 @@ TENSOR_PARALLEL_LAYOUT = {
 }
 
 
-def rope_tables(seq_len: int, head_dim: int) -> tuple[jax.Array, jax.Array]:
-    """``(cos, sin)`` of shape ``[seq_len, head_dim // 2]`` (RoFormer's frequencies)."""
+def rope_tables(positions: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin)`` of shape ``[B, T, head_dim // 2]`` for ``positions`` ``[B, T]``
+    (RoFormer's frequencies)."""
     inv = 1.0 / (10000.0 ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles = jnp.arange(seq_len, dtype=jnp.float32)[:, None] * inv[None, :]
+    angles = positions.astype(jnp.float32)[..., None] * inv
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
     """Rotates pairs (first half, second half) of ``x`` ``[B, T, H, D]`` by position."""
     x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
-    c, s = cos[None, :, None, :], sin[None, :, None, :]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
     return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).astype(x.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What every block reads besides the residual stream (``None``: not given)."""
+
+    rope: tuple[jax.Array, jax.Array] | None = None
+    segment_ids: jax.Array | None = None
+    positions: jax.Array | None = None
 
 
 class Attention(nnx.Module):
@@ -153,17 +195,24 @@ class Attention(nnx.Module):
         self.qkv = nnx.Linear(cfg.d_model, 3 * cfg.d_model, kernel_init=init, dtype=dt, rngs=rngs)
         self.out = nnx.Linear(cfg.d_model, cfg.d_model, kernel_init=out_init, dtype=dt, rngs=rngs)
 
-    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array] | None) -> jax.Array:
+    def __call__(self, x: jax.Array, ctx: Context) -> jax.Array:
         b, t, _ = x.shape
         cfg = self.cfg
         q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3, cfg.n_heads, cfg.head_dim), 3, axis=2)
         q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [B, T, H, D]
-        if rope is not None:
-            cos, sin = rope
-            q, k = apply_rope(q, cos[:t], sin[:t]), apply_rope(k, cos[:t], sin[:t])
-        # implementation=None: XLA on CPU/TPU; cuDNN flash attention on a GPU when the
-        # dtype (bf16/fp16) and head size allow, else XLA.
-        y = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=None)
+        if ctx.rope is not None:
+            q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
+        # The sequence whole: jax.nn.dot_product_attention (cuDNN flash attention on a
+        # GPU when the dtype and head size allow). Split over "context": ring attention.
+        y = dt.nn.dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            segment_ids=ctx.segment_ids,
+            positions=ctx.positions,
+            implementation=cfg.attention,
+        )
         return self.out(y.reshape(b, t, cfg.d_model))
 
 
@@ -192,13 +241,14 @@ class Block(nnx.Module):
         self.norm2 = nnx.LayerNorm(cfg.d_model, dtype=dt, rngs=rngs)
         self.mlp = MLP(cfg, rngs=rngs)
 
-    def __call__(self, x: jax.Array, rope: tuple[jax.Array, jax.Array] | None) -> jax.Array:
-        x = x + self.attn(self.norm1(x), rope)
+    def __call__(self, x: jax.Array, ctx: Context) -> jax.Array:
+        x = x + self.attn(self.norm1(x), ctx)
         return x + self.mlp(self.norm2(x))
 
 
 class Transformer(nnx.Module):
-    """Token ids ``[B, T]`` (``T <= seq_len``) -> float32 logits ``[B, T, vocab_size]``."""
+    """Token ids ``[B, T]`` (``T <= seq_len``) -> float32 logits ``[B, T, vocab_size]``;
+    optional ``segment_ids`` / ``positions`` ``[B, T]`` for packed or reordered rows."""
 
     def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs) -> None:
         dt = _DTYPES[cfg.dtype]
@@ -224,7 +274,12 @@ class Transformer(nnx.Module):
         self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         self.norm = nnx.LayerNorm(cfg.d_model, dtype=dt, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(
+        self,
+        tokens: jax.Array,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
         cfg = self.cfg
         t = tokens.shape[-1]
         if t > cfg.seq_len:
@@ -233,15 +288,30 @@ class Transformer(nnx.Module):
                 f"sequence of {t}. Crop the input or build the model with a larger seq_len."
             )
         x = self.embed(tokens)
+        pos = jnp.broadcast_to(jnp.arange(t), tokens.shape) if positions is None else positions
         rope = None
         if self.pos_embed is not None:
-            x = x + self.pos_embed(jnp.arange(t))[None]
+            x = x + self.pos_embed(pos)
         else:
-            rope = rope_tables(t, cfg.head_dim)
+            rope = rope_tables(pos, cfg.head_dim)
+        ctx = Context(rope, segment_ids, positions)
+        call = _remat(cfg.remat)
         for block in self.blocks:
-            x = constrain_hidden(block(x, rope))
+            x = constrain_hidden(call(block, x, ctx))
         # The tied head in the compute dtype; logits (and so the loss) in float32.
         return self.embed.attend(self.norm(x)).astype(jnp.float32)
+
+
+def _call_block(block: Block, x: jax.Array, ctx: Context) -> jax.Array:
+    return block(x, ctx)
+
+
+def _remat(name: str) -> Callable[[Block, jax.Array, Context], jax.Array]:
+    """The block call under ``nnx.remat`` with policy ``name`` (plain for "none")."""
+    policy = REMAT_POLICIES[name]
+    if policy is None:
+        return _call_block
+    return nnx.remat(_call_block, policy=policy())
 
 
 def transformer(*, key: jax.Array, **kwargs: Any) -> Transformer:
@@ -249,11 +319,17 @@ def transformer(*, key: jax.Array, **kwargs: Any) -> Transformer:
     return Transformer(LMConfig(**kwargs), rngs=nnx.Rngs(params=key))
 
 
-def make_apply_fn(graphdef: nnx.GraphDef) -> Callable[[Any, jax.Array], jax.Array]:
-    """``apply_fn(params, tokens) -> logits`` for ``graphdef, params = nnx.split(model)``."""
+def make_apply_fn(graphdef: nnx.GraphDef) -> Callable[..., jax.Array]:
+    """``apply_fn(params, tokens, segment_ids=None, positions=None) -> logits`` for
+    ``graphdef, params = nnx.split(model)``."""
 
-    def apply_fn(params: Any, tokens: jax.Array) -> jax.Array:
-        return nnx.merge(graphdef, params)(tokens)
+    def apply_fn(
+        params: Any,
+        tokens: jax.Array,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+    ) -> jax.Array:
+        return nnx.merge(graphdef, params)(tokens, segment_ids, positions)
 
     return apply_fn
 

@@ -8,8 +8,16 @@ through ``Trainer.fit``) and from ``benchmarks/lm.py`` (``strategy.run`` and a b
 
 The loss is the mean over *tokens*: ``dt.compute_average_loss`` of per-token losses
 ``[B, T]``, divided by the tokens of the global batch (or, on padded evaluation
-batches, by the real tokens over all replicas, via the ``mask`` column), so summing
-gradients over replicas gives the global mean's gradient on any number of devices.
+batches and packed rows, by the real tokens over all replicas, via the ``mask`` column
+and the segment ids), so summing gradients over replicas gives the global mean's
+gradient on any number of devices.
+
+Two batch formats: ``{"tokens": uint8[B, T + 1]}`` (a window of the byte stream:
+inputs ``tokens[:, :-1]``, targets ``tokens[:, 1:]``) and packed rows
+``{"inputs", "targets", "segment_ids", "positions"}`` of ``[B, T]``
+(``examples/lm/data.py:pack_documents``; padding has segment id 0 and weight 0). A
+mean over tokens does not depend on their order, so rows reordered by
+``dt.nn.load_balance`` give the same loss.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ from flax import nnx
 import distrain as dt
 from examples.lm.model import LMConfig, Transformer, count_params, flops_per_token, make_apply_fn
 
-ApplyFn = Callable[[Any, jax.Array], jax.Array]
+ApplyFn = Callable[..., jax.Array]
 
 
 @jax.tree_util.register_dataclass
@@ -52,13 +60,23 @@ def _token_losses(
     params: Any, batch: dict[str, jax.Array], apply_fn: ApplyFn, mask_key: str
 ) -> tuple[jax.Array, jax.Array | None]:
     """Per-token cross-entropy ``[B, T]`` and the token weights (``None``: all count)."""
-    tokens = batch["tokens"].astype(jnp.int32)  # uint8 rows of seq_len + 1 bytes
-    logits = apply_fn(params, tokens[:, :-1])
-    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:])
-    mask = batch.get(mask_key) if mask_key else None
     weights = None
+    if "inputs" in batch:  # packed rows: documents kept apart, padding weighs 0
+        seg = batch["segment_ids"].astype(jnp.int32)
+        logits = apply_fn(
+            params, batch["inputs"].astype(jnp.int32), seg, batch["positions"].astype(jnp.int32)
+        )
+        targets = batch["targets"].astype(jnp.int32)
+        weights = (seg > 0).astype(jnp.float32)
+    else:
+        tokens = batch["tokens"].astype(jnp.int32)  # uint8 rows of seq_len + 1 bytes
+        logits = apply_fn(params, tokens[:, :-1])
+        targets = tokens[:, 1:]
+    per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+    mask = batch.get(mask_key) if mask_key else None
     if mask is not None:  # padded rows of a partial batch: [B] -> every token of the row
-        weights = jnp.broadcast_to(mask.astype(per_token.dtype)[:, None], per_token.shape)
+        rows = jnp.broadcast_to(mask.astype(per_token.dtype)[:, None], per_token.shape)
+        weights = rows if weights is None else weights * rows
     return per_token, weights
 
 
@@ -180,6 +198,9 @@ class Settings:
     # > 1 (or "process"): a replica spans devices, state FSDP-split over them
     devices_per_replica: Any = 1  # an int, "process" or {axis: size}
     layout: Any = None  # layout rules for a replica mesh (dt.MirroredStrategy's layout)
+    # batch_layout of the strategy (a sequence split over "context":
+    # {"inputs|targets|segment_ids|positions": P(None, "context")})
+    batch_layout: Any = None
     peak_flops: float | None = None  # per device; None: the table's (none on CPU)
     profile: tuple[int, int] | None = None
     prompts: tuple[str, ...] = ("def ", "import ", "class ")
@@ -211,6 +232,7 @@ def settings_from_config(path: str, overrides: list[str] | tuple[str, ...] = ())
         shard_state=cfg.strategy.shard_state,
         devices_per_replica=cfg.strategy.devices_per_replica,
         layout=_layout(cfg.strategy.layout_kwargs()["layout"]),
+        batch_layout=cfg.strategy.layout_kwargs()["batch_layout"],
     )
 
 
@@ -253,6 +275,7 @@ def make_strategy(s: Settings) -> dt.Strategy:
         shard_state=s.shard_state,
         devices_per_replica=s.devices_per_replica,
         layout=s.layout,
+        batch_layout=s.batch_layout,
     )
 
 
@@ -284,7 +307,7 @@ def train_and_evaluate(
     cfg = s.model
     n_params = count_params(cfg)
     fpt = flops_per_token(cfg)
-    rows = {k: v["tokens"].shape[0] for k, v in splits.items()}
+    rows = {k: len(next(iter(v.values()))) for k, v in splits.items()}
     log(
         f"model: {n_params['total']:,} parameters, {fpt / 1e6:.2f} MFLOPs/token; {n} replicas "
         f"on {jax.devices()[0].device_kind}; train {rows['train']:,} x {cfg.seq_len} tokens, "

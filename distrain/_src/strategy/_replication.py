@@ -52,17 +52,15 @@ _SYNCING = frozenset(
     }
 )
 # These produce values that differ per replica whatever their inputs: collectives that
-# move data between replicas, and host callbacks (they run once per device and may
-# return anything).
-_VARYING = frozenset(
+# move data between replicas (_MOVING, when over the replica axis; over an inner axis
+# each replica moves its own data alike), and host callbacks (they run once per device
+# and may return anything).
+_MOVING = frozenset(
+    {"ppermute", "pshuffle", "all_to_all", "ragged_all_to_all", "psum_scatter", "reduce_scatter"}
+)
+_VARYING = _MOVING | frozenset(
     {
         "axis_index",
-        "ppermute",
-        "pshuffle",
-        "all_to_all",
-        "ragged_all_to_all",
-        "psum_scatter",
-        "reduce_scatter",
         "io_callback",
         "pure_callback",
         "rng_uniform",
@@ -301,8 +299,18 @@ class _Analysis:
             # identical results; varying ones do not.
             synced = self.axis in _axis_names(p) and p.get("axis_index_groups") is None
             return [False if synced else any(ins)] * n_out, None
+        if name in _MOVING and self.axis not in _axis_names(p):
+            # Data moved between the devices of each replica (a sequence split over
+            # "context"): every replica does the same with its own operands.
+            return [any(ins)] * n_out, None
         if name in _VARYING:
             return [True] * n_out, None
+        if name == "shard_map":  # nested, manual over inner axes (a dt.nn op)
+            manual = p.get("newly_manual_axes", p.get("manual_axes"))
+            body = p.get("jaxpr")
+            if manual is not None and self.axis not in manual and body is not None:
+                if _arity(body) == (len(ins), n_out):
+                    return self.flow(body, ins)
         if name in _IDENTITY and n_out == len(ins):
             return list(ins), None
         if name == "scan":
