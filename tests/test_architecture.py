@@ -74,6 +74,28 @@ def test_no_import_circle_runs_through_the_data_path_or_the_parameter_servers():
             assert all(m.startswith("distrain._src.ps") for m in component), component
 
 
+def test_the_trainer_input_has_one_route():
+    """Where fit's input lives (devices or host) and how any Trainer data is distributed
+    is decided in train/_input.py alone: no other module of train/ reaches the
+    distributed dataset or distributes data itself."""
+    graph = imports()
+    for module, path in _train_modules():
+        if module == "distrain._src.train._input":
+            continue
+        assert "distrain._src.data.distributed" not in graph[module], module
+        assert "distribute_dataset(" not in path.read_text(), module
+    assert "distrain._src.data.distributed" in graph["distrain._src.train._input"]
+
+
+def _train_modules() -> list[tuple[str, Path]]:
+    train = SRC / "train"
+    return [
+        ("distrain._src.train." + ".".join(p.relative_to(train).with_suffix("").parts), p)
+        for p in train.rglob("*.py")
+        if p.name != "__init__.py"
+    ]
+
+
 def _reach(graph: dict[str, set[str]], package: str) -> set[str]:
     seen: set[str] = set()
     todo = [m for m in graph if m.startswith(package)]

@@ -333,7 +333,7 @@ def test_a_batch_layout_splits_the_sequence_over_context(devices):
             state, _ = trainer.fit(token_state(), pipe, epochs=1)
             results[name, mode] = jax.device_get(state.params)
             if mode == "device":  # whole on every device: a row gather needs no all-gather
-                placed = jax.tree.leaves(trainer._resident.arrays)
+                placed = jax.tree.leaves(trainer._input.resident.arrays)
                 assert all(x.sharding.is_fully_replicated for x in placed)
     for mode in ("host", "device"):
         got, want = results["context", mode], results["mirrored", mode]

@@ -254,7 +254,7 @@ def test_fit_refuses_a_negative_initial_epoch(mirrored):
     from tests.linear_problem import new_state, problem, train_step
 
     data = dt.data.ArrayPipeline(problem(64), global_batch_size=32)
-    with pytest.raises(ValueError, match="`initial_epoch` must be >= 0.*Received: -3"):
+    with pytest.raises(ValueError, match="`initial_epoch` must be >= 0.*initial_epoch=-3"):
         dt.Trainer(mirrored, train_step).fit(new_state(), data, epochs=1, initial_epoch=-3)
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import distrain as dt
-from distrain._src.train.trainer import auto_steps_per_execution
+from distrain._src.train._steps import auto_steps_per_execution
 from tests.linear_problem import new_state, problem, train_step
 
 

@@ -77,18 +77,20 @@ def test_auto_chooses_device_for_small_data_and_host_otherwise(mirrored, monkeyp
     assert trainer.input_mode == "host"
 
 
-def test_only_row_ids_cross_per_step(mirrored):
+def test_only_row_ids_cross_per_step(mirrored, monkeypatch):
     trainer = dt.Trainer(mirrored, train_step, input_mode="device")
     seen = []
-    original = trainer._dispatch
+    original = mirrored.run
 
-    def spy(batches):
-        seen.extend(batches)
-        original(batches)
+    def spy(fn, args=(), **kwargs):
+        seen.extend(args[2:])  # (state, metric sums, *batches)
+        return original(fn, args=args, **kwargs)
 
-    trainer._dispatch = spy
+    monkeypatch.setattr(mirrored, "run", spy)
     trainer.fit(new_state(), pipe(), steps=3)
-    for ids in seen:
+    assert len(seen) == 3
+    for arrays, ids in seen:
+        assert arrays is trainer._input.resident.arrays  # placed once, before the steps
         assert isinstance(ids, dt.PerReplica)
         leaves = jax.tree.leaves(ids.value)
         assert [x.dtype for x in leaves] == [np.int32] and leaves[0].shape == (32,)

@@ -37,3 +37,13 @@ def optional_positive_int(name: str, value: Any) -> int | None:
     if not is_positive_int(value):
         raise ValueError(f"`{name}` must be a positive int or None. Received: {name}={value!r}.")
     return int(value)
+
+
+def non_negative_int(name: str, value: Any) -> int:
+    """``value`` as an int >= 0 (bools refused): ``TypeError`` for a non-int,
+    ``ValueError`` for a negative one, each naming ``name``."""
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise TypeError(f"`{name}` must be an int. Received: {value!r}.")
+    if value < 0:
+        raise ValueError(f"`{name}` must be >= 0. Received: {name}={value}.")
+    return int(value)

@@ -81,6 +81,7 @@ class DistributedDataset:
         *,
         process_local: bool | None = None,
         input_context: InputContext | None = None,
+        batch_layout: bool = True,
     ) -> None:
         if not isinstance(dataset, Iterable):
             raise TypeError(
@@ -106,6 +107,9 @@ class DistributedDataset:
             process_local = bool(getattr(dataset, "process_local", False))
         self._process_local = process_local
         self._input_context = input_context
+        # False for batches that are not the user's (the Trainer's row ids of a dataset
+        # kept on the devices): only their rows are split, never their other dimensions.
+        self._batch_layout = batch_layout
         self._last_pass: weakref.ref[DistributedIterator] | None = None
 
     def _group_size(self, first: Any) -> int:
@@ -333,7 +337,7 @@ class DistributedIterator:
 
     def _place(self, prepared: Flat) -> PerReplica:
         strategy = self._ds._strategy
-        layout = not getattr(self._ds._dataset, "row_ids", False)
+        layout = self._ds._batch_layout
         if self._elements:  # one element per replica: each replica's component is one row
             split = place_local(strategy, *prepared)
             return PerReplica(split.value, split.num_replicas, stacked=True)

@@ -139,9 +139,6 @@ class ArrayPipeline:
     """
 
     process_local = True
-    # The Trainer's device input streams row ids of a dataset kept on the devices: not
-    # the user's batch, so the strategy's batch_layout does not apply to them.
-    row_ids = False
 
     def __init__(
         self,

@@ -1,14 +1,14 @@
 """The evaluation and prediction loops behind ``Trainer.evaluate`` and ``Trainer.predict``.
 
-Both iterate a distributed dataset once (or ``steps`` batches) with bounded steps in
-flight (``strategy.run``) and read the devices once, at the end: evaluation keeps
-per-replica metric sums on the devices; prediction gathers each batch's outputs and
-drops padded rows on the host.
+Both iterate a distributed dataset (from ``_input.distribute``) once (or ``steps``
+batches) with bounded steps in flight (``strategy.run``) and read the devices once, at
+the end: evaluation keeps per-replica metric sums on the devices; prediction gathers
+each batch's outputs and drops padded rows on the host.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -18,36 +18,6 @@ from distrain._src.train import _functions as F
 
 if TYPE_CHECKING:
     from distrain._src.strategy.base import Strategy
-
-
-def distribute(strategy: Strategy, data: Iterable[Any]) -> Iterable[Any]:
-    """``data`` as per-replica batches of ``strategy`` (distributed unless it already is).
-
-    Raises:
-      TypeError: for whole arrays (a dict of arrays, an array, a Keras-style ``(x, y)``
-        tuple of arrays) instead of batches: the message says how to batch them.
-      ValueError: if ``data`` was distributed with another strategy.
-    """
-    from distrain._src.data.batches import whole_arrays_error
-    from distrain._src.data.distributed import DistributedDataset
-
-    whole = whole_arrays_error(data)
-    if whole is not None:
-        raise TypeError(whole)
-    if isinstance(data, Mapping):
-        raise TypeError(
-            "Expected an iterable of batches (e.g. dt.data.ArrayPipeline, a list of batch "
-            f"dicts, a grain dataset). Received a dict with keys {list(data)[:8]}: batch its "
-            "arrays with dt.data.ArrayPipeline(arrays, global_batch_size=...)."
-        )
-    if isinstance(data, DistributedDataset):
-        if data.strategy is not strategy:
-            raise ValueError(
-                "`data` was distributed with another strategy. Pass the undistributed "
-                "dataset, or distribute it with this Trainer's strategy."
-            )
-        return data
-    return strategy.experimental_distribute_dataset(data)
 
 
 class ZeroCache:

@@ -1,5 +1,12 @@
-"""Device-resident input for ``Trainer.fit``: in-memory data placed once, batches gathered
-inside the compiled step.
+"""The Trainer's input route: every ``fit``, ``evaluate`` and ``predict`` gets its batches here.
+
+``fit`` calls :func:`for_fit` once: it decides whether the input lives on the devices or
+streams from the host, and returns the per-replica batches, the step that consumes them
+and how a batch reaches the step. ``evaluate`` and ``predict`` call :func:`distribute`.
+Nothing else in ``train/`` distributes data or decides where it lives.
+
+Device-resident input: in-memory data placed once, batches gathered inside the compiled
+step.
 
 On an accelerator the host cannot keep up with a fast step: gathering a shuffled
 batch of NumPy rows and copying it to the devices costs several times the step of a
@@ -23,13 +30,16 @@ choice is ``trainer.input_mode`` after ``fit`` starts.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distrain._src.data.batches import whole_arrays_error
+from distrain._src.data.distributed import DistributedDataset
 from distrain._src.data.pipeline import ArrayPipeline, flat_arrays, unflatten
 from distrain._src.strategy._checks import check_placeable
 
@@ -72,7 +82,6 @@ class Resident:
             process_index=p.process_index,
             process_count=p.process_count,
         )
-        ids.row_ids = True  # laid out by the strategy's batch_layout inside the step
         return ids
 
     def batch(self, rows: Any) -> tuple[Any, Any]:
@@ -100,14 +109,75 @@ class Resident:
         return step
 
 
-def choose(strategy: Strategy, data: Any, mode: str) -> tuple[str, Resident | None]:
-    """Which input mode ``fit`` uses for ``data``, and the placed arrays for ``"device"``."""
+@dataclass(frozen=True)
+class FitInput:
+    """What ``fit`` trains on: decided once per ``fit`` by :func:`for_fit`.
+
+    Attributes:
+      mode: ``"device"`` (arrays on the devices, row ids stream) or ``"host"``.
+      batches: the per-replica batches (a distributed dataset: positions, passes).
+      step_fn: the step to compile: ``train_step``, gathering its rows from the
+        device-resident arrays in ``"device"`` mode.
+      resident: the device-resident arrays (``"device"`` mode only).
+    """
+
+    mode: str
+    batches: Iterable[Any]
+    step_fn: Callable[..., Any]
+    resident: Resident | None = None
+
+    def wrap(self, batch: Any) -> Any:
+        """What the step receives for one of ``batches``."""
+        return batch if self.resident is None else self.resident.batch(batch)
+
+
+def for_fit(strategy: Strategy, data: Any, mode: str, step_fn: Callable[..., Any]) -> FitInput:
+    """The input route of one ``fit``: in-memory data that fits goes to the devices once
+    (``mode`` ``"auto"`` or ``"device"``) and the step gathers its rows; anything else
+    is distributed from the host."""
+    resident = _resident(strategy, data, mode)
+    if resident is None:
+        return FitInput("host", distribute(strategy, data), step_fn)
+    # Row ids are not the user's batch: the strategy's batch_layout applies to the rows
+    # the step gathers (Resident.gathering), not to the ids.
+    ids = DistributedDataset(strategy, resident.index_pipeline(), batch_layout=False)
+    return FitInput("device", ids, resident.gathering(step_fn), resident)
+
+
+def _resident(strategy: Strategy, data: Any, mode: str) -> Resident | None:
     if mode == "host" or not isinstance(data, ArrayPipeline):
-        return "host", None
+        return None
     nbytes = sum(leaf.nbytes for leaf in flat_arrays(data))
     if mode == "auto" and nbytes > _BUDGET_FRACTION * device_memory_bytes(strategy):
-        return "host", None
-    return "device", Resident(strategy, data)
+        return None
+    return Resident(strategy, data)
+
+
+def distribute(strategy: Strategy, data: Iterable[Any]) -> Iterable[Any]:
+    """``data`` as per-replica batches of ``strategy`` (distributed unless it already is).
+
+    Raises:
+      TypeError: for whole arrays (a dict of arrays, an array, a Keras-style ``(x, y)``
+        tuple of arrays) instead of batches: the message says how to batch them.
+      ValueError: if ``data`` was distributed with another strategy.
+    """
+    whole = whole_arrays_error(data)
+    if whole is not None:
+        raise TypeError(whole)
+    if isinstance(data, Mapping):
+        raise TypeError(
+            "Expected an iterable of batches (e.g. dt.data.ArrayPipeline, a list of batch "
+            f"dicts, a grain dataset). Received a dict with keys {list(data)[:8]}: batch its "
+            "arrays with dt.data.ArrayPipeline(arrays, global_batch_size=...)."
+        )
+    if isinstance(data, DistributedDataset):
+        if data.strategy is not strategy:
+            raise ValueError(
+                "`data` was distributed with another strategy. Pass the undistributed "
+                "dataset, or distribute it with this Trainer's strategy."
+            )
+        return data
+    return strategy.experimental_distribute_dataset(data)
 
 
 def device_memory_bytes(strategy: Strategy) -> int:

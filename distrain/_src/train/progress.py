@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import math
 import warnings
 from collections.abc import Iterable
 from typing import Any, final
@@ -64,6 +65,35 @@ class LoopState:
     has_validation: bool = False
     in_fit: bool = False
     history: History = dataclasses.field(default_factory=History)
+
+    def finished(self) -> bool:
+        """Whether the asked ``epochs`` or ``steps`` are done."""
+        if self.epochs is not None and self.epoch >= self.epochs:
+            return True
+        return self.steps is not None and self.global_step >= self.steps
+
+    def steps_left_in_epoch(self) -> float:
+        """Steps before the epoch or the run ends (``math.inf`` when neither is bounded)."""
+        left: float = math.inf
+        if self.steps_per_epoch is not None:
+            left = self.steps_per_epoch - self.step_in_epoch
+        if self.steps is not None:
+            left = min(left, self.steps - self.global_step)
+        return left
+
+    def data_ended(self) -> DataEndedError:
+        """The error for training data that ran out here."""
+        if self.steps is not None:
+            wanted = f"steps={self.steps}"
+        elif self.steps_per_epoch is not None:
+            wanted = f"{self.epochs} epochs x {self.steps_per_epoch} steps"
+        else:
+            wanted = f"epochs={self.epochs} (epoch {self.epoch} got no batch)"
+        return DataEndedError(
+            f"The training data ended after {self.global_step} steps, but fit asked for "
+            f"{wanted}. Make the dataset repeat (e.g. ArrayPipeline(num_epochs=None)), pass "
+            "a re-iterable dataset instead of a one-shot iterator, or ask for fewer steps."
+        )
 
 
 class DataEndedError(ValueError):

@@ -22,70 +22,33 @@ epoch ends, and when a callback reads them (e.g. a checkpoint save). Otherwise i
 waits only to keep at most two dispatches in flight (``strategy.run`` waits for
 dispatch ``i-2`` before queueing ``i``), so the host runs ahead of the devices.
 
-Size: ~650 lines, over the house's ~500 on purpose. ``fit`` is one state machine
-(epochs, dispatches, the metric window, validation, resume) over one loop record;
-the parts that stand alone already live elsewhere (``_functions``: the compiled step
-wrappers; ``_inference``: evaluate and predict; ``progress``: passes and positions;
-``_input``: device-resident data), and splitting the rest would spread the loop's
-state over modules that all write it.
+The seams: ``_input`` decides where the input lives and distributes it (the one input
+route); ``_steps`` turns batches into compiled dispatches and keeps the on-device
+metric window; ``_inference`` runs evaluate and predict; ``progress`` tracks passes and
+positions. This module is the loop: epochs, callbacks, validation, resume.
 """
 
 from __future__ import annotations
 
-import math
-import time
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 
 from distrain._src.current import get_strategy
 from distrain._src.padding import MASK_KEY
 from distrain._src.strategy.base import Strategy
 from distrain._src.train import _functions as F
 from distrain._src.train import _inference, _input
+from distrain._src.train._steps import Steps
 from distrain._src.train.accumulation import accumulate_gradients
 from distrain._src.train.callbacks.base import Callback, CallbackList, StepInfo
 from distrain._src.train.callbacks.control import TerminateOnNaN
 from distrain._src.train.history import History
-from distrain._src.train.metrics import Metric
-from distrain._src.train.progress import (
-    DataEndedError,
-    LoopState,
-    PassIterator,
-    steps_per_epoch_of,
-    sums_from_json,
-    sums_to_json,
-)
-from distrain._src.validate import optional_positive_int, positive_int
+from distrain._src.train.progress import DataEndedError, LoopState, PassIterator, steps_per_epoch_of
+from distrain._src.validate import non_negative_int, optional_positive_int, positive_int
 
 __all__ = ["DataEndedError", "Trainer"]
-
-
-# steps_per_execution="auto": one dispatch should keep the devices busy this long, so
-# that per-dispatch host time (tens of microseconds) is under 1% of it.
-_TARGET_DISPATCH_SECONDS = 0.004
-_CALIBRATION_STEPS = 4
-_MAX_AUTO_STEPS = 64
-
-
-def auto_steps_per_execution(seconds_per_step: float, cap: int) -> int:
-    """The power of two of steps that makes one dispatch last ``_TARGET_DISPATCH_SECONDS``.
-
-    Powers of two keep the number of compiled programs small; the result is at most
-    ``cap`` (and ``_MAX_AUTO_STEPS``) and at least 1.
-
-    Example:
-      >>> auto_steps_per_execution(0.0001, cap=100)   # 0.1 ms steps: 40 wanted
-      64
-    """
-    want = max(1, math.ceil(_TARGET_DISPATCH_SECONDS / max(seconds_per_step, 1e-9)))
-    k = 1 << (want - 1).bit_length()
-    while k > min(cap, _MAX_AUTO_STEPS):
-        k //= 2
-    return max(1, k)
 
 
 def _check_strategy(strategy: Any) -> Strategy:
@@ -203,12 +166,10 @@ class Trainer:
                 "`steps_per_execution` must be a positive int or 'auto'. Received: "
                 f"{steps_per_execution!r}."
             )
-        self.steps_per_execution = (
-            1 if self._auto_k else positive_int("steps_per_execution", steps_per_execution)
-        )
+        self._k = 1 if self._auto_k else positive_int("steps_per_execution", steps_per_execution)
         self.log_every = positive_int("log_every", log_every)
         self.mask_key = mask_key
-        self._donate = (0,) if donate_state else ()
+        self._donate = donate_state
         self.is_chief = self.strategy.is_chief
 
         self._eval_fn = F.make_eval_fn(eval_step) if eval_step is not None else None
@@ -224,18 +185,21 @@ class Trainer:
         self.loop = LoopState()
         self.stop_training = False
         self._epoch_done = False
-        self._acc: Any = None
-        self._zero_acc: Any = None
-        self._layout: F.Layout | None = None
-        self._window_steps = 0
-        self._epoch_sums: dict[str, Metric] | None = None
         self._passes: PassIterator | None = None
         self._cbs: CallbackList | None = None
-        self._calibration: float | None = None
-        self._resident: _input.Resident | None = None
-        self._fit_step = self._step_fn
-        self.input_mode: str | None = None
-        self._warned_not_finite = False
+        self._input: _input.FitInput | None = None
+        self._steps: Steps | None = None
+        self._resumed_sums: dict[str, Any] | None = None
+
+    @property
+    def steps_per_execution(self) -> int:
+        """Steps per dispatch: as given, or under ``"auto"`` the calibrated choice."""
+        return self._steps.k if self._steps is not None else self._k
+
+    @property
+    def input_mode(self) -> str | None:
+        """``"device"`` or ``"host"``: where this ``fit``'s input lives (None before)."""
+        return self._input.mode if self._input is not None else None
 
     def progress(self) -> dict[str, Any]:
         """The loop position as JSON-compatible data, for checkpoints.
@@ -245,27 +209,19 @@ class Trainer:
         ``state_dict()`` (those that have one) by ``state_key``. ``BackupAndRestore``
         saves this and hands it back to :meth:`resume`.
         """
-        self._flush_window()
-        done = self._epoch_done
         sums = None
-        if not done and self._epoch_sums is not None:
-            sums = {k: sums_to_json(m) for k, m in self._epoch_sums.items()}
+        if self._steps is not None:
+            self._steps.flush(self.loop.global_step)
+            sums = None if self._epoch_done else self._steps.epoch_sums_json()
+        done = self._epoch_done
         return {
             "epoch": self.loop.epoch + 1 if done else self.loop.epoch,
             "step_in_epoch": 0 if done else self.loop.step_in_epoch,
             "global_step": self.loop.global_step,
             "history": self.loop.history.to_dict(),
             "epoch_sums": sums,
-            "callbacks": self._callback_states(),
+            "callbacks": self._cbs.state_dicts() if self._cbs is not None else {},
         }
-
-    def _callback_states(self) -> dict[str, Any]:
-        states = {}
-        for cb in self._cbs or ():
-            state = cb.state_dict()
-            if state is not None:
-                states[cb.state_key] = state
-        return states
 
     def data_state(self) -> dict[str, Any]:
         """The training input's position (``{"iterator": state or None, ...}``)."""
@@ -281,20 +237,16 @@ class Trainer:
           progress: what :meth:`progress` returned when the checkpoint was saved.
           data_state: what :meth:`data_state` returned then.
         """
-        if not self.loop.in_fit or self._passes is None:
+        if not self.loop.in_fit or self._passes is None or self._cbs is None:
             raise RuntimeError("`Trainer.resume` can only be called during fit (on_train_begin).")
         self.state = state
         self.loop.epoch = self.loop.initial_epoch = int(progress["epoch"])
         self.loop.global_step = self.loop.initial_step = int(progress["global_step"])
         self.loop.step_in_epoch = int(progress.get("step_in_epoch", 0))
         self.loop.history = History.from_dict(progress.get("history") or {})
-        sums = progress.get("epoch_sums")
-        self._resumed_sums = sums_from_json(sums) if sums else None
+        self._resumed_sums = progress.get("epoch_sums")
         self._passes.restore(data_state, self.loop.step_in_epoch)
-        states = progress.get("callbacks") or {}
-        for cb in self._cbs or ():
-            if cb.state_key in states:
-                cb.load_state_dict(states[cb.state_key])
+        self._cbs.load_state_dicts(progress.get("callbacks") or {})
 
     # ------------------------------------------------------------------- fit
     def fit(
@@ -353,43 +305,35 @@ class Trainer:
         if epochs is None and steps is None:
             epochs = 1
         self._reset_progress()
-        # In-memory data that fits goes to the devices once; steps then read row ids.
-        self.input_mode, self._resident = _input.choose(self.strategy, data, self._input_mode)
-        step_fn = self._step_fn
-        if self._resident is not None:
-            data = self._resident.index_pipeline()
-            step_fn = self._resident.gathering(step_fn)
-        self._fit_step = step_fn
-        dist = _inference.distribute(self.strategy, data)
+        route = self._input = _input.for_fit(self.strategy, data, self._input_mode, self._step_fn)
         self.loop.epochs, self.loop.steps = epochs, steps
         self.loop.steps_per_epoch = (
             positive_int("steps_per_epoch", steps_per_epoch)
             if steps_per_epoch is not None
             else steps_per_epoch_of(data)
         )
-        if isinstance(initial_epoch, bool) or not isinstance(initial_epoch, int | np.integer):
-            raise TypeError(f"`initial_epoch` must be an int. Received: {initial_epoch!r}.")
-        if initial_epoch < 0:
-            raise ValueError(
-                f"`initial_epoch` must be >= 0 (epochs count from 0). Received: {initial_epoch}."
-            )
-        self.loop.epoch = self.loop.initial_epoch = int(initial_epoch)
+        self.loop.epoch = self.loop.initial_epoch = non_negative_int("initial_epoch", initial_epoch)
         self.loop.global_step = self.loop.initial_step = initial_epoch * (
             self.loop.steps_per_epoch or 0
         )
         self.loop.has_validation = validation_data is not None
-        if self._auto_k:
-            self.steps_per_execution, self._calibration = 1, 0.0
         self.state = self.strategy.put_replicated(state)  # a copy: donation spares `state`
-        self._passes = PassIterator(dist, self.loop.steps_per_epoch)
-        self._resumed_sums = None
+        self._passes = PassIterator(route.batches, self.loop.steps_per_epoch)
         cbs = self._cbs = CallbackList([*self.callbacks, *callbacks], self)
-        _check_state_keys(cbs)
+        cbs.check_state_keys()
+        self._steps = Steps(
+            self.strategy,
+            route.step_fn,
+            k=self._k,
+            auto=self._auto_k,
+            donate=self._donate,
+            warn_not_finite=not any(isinstance(cb, TerminateOnNaN) for cb in cbs),
+        )
         self.loop.in_fit = True
         try:
             cbs.call("on_train_begin", None)
             logs: dict[str, float] = {}
-            while not self._finished():
+            while not (self.stop_training or self.loop.finished()):
                 logs = self._run_epoch(cbs)
                 # Absolute epoch numbers, so a resumed run validates after the same epochs.
                 if validation_data is not None and (self.loop.epoch + 1) % validation_freq == 0:
@@ -413,32 +357,18 @@ class Trainer:
             self.loop.in_fit = False
         return self.state, self.loop.history
 
-    def _finished(self) -> bool:
-        if self.stop_training:
-            return True
-        if self.loop.epochs is not None and self.loop.epoch >= self.loop.epochs:
-            return True
-        return self.loop.steps is not None and self.loop.global_step >= self.loop.steps
-
-    def _steps_left_in_epoch(self) -> float:
-        """Steps before the epoch or the run ends (``math.inf`` when neither is bounded)."""
-        left: float = math.inf
-        if self.loop.steps_per_epoch is not None:
-            left = self.loop.steps_per_epoch - self.loop.step_in_epoch
-        if self.loop.steps is not None:
-            left = min(left, self.loop.steps - self.loop.global_step)
-        return left
-
     def _run_epoch(self, cbs: CallbackList) -> dict[str, float]:
         """Runs one epoch's steps; returns the epoch's training metrics."""
-        assert self._passes is not None
+        assert self._passes is not None and self._steps is not None and self._input is not None
+        steps = self._steps
         cbs.call("on_epoch_begin", self.loop.epoch, None)
         if self.loop.steps_per_epoch is None:
             self._passes.begin_epoch()
-        self._epoch_sums, self._resumed_sums = self._resumed_sums, None
+        steps.begin_epoch(self._resumed_sums)
+        self._resumed_sums = None
         ran_any = self.loop.step_in_epoch > 0
         while not self.stop_training:
-            want = min(self.steps_per_execution, self._steps_left_in_epoch())
+            want = min(self.steps_per_execution, self.loop.steps_left_in_epoch())
             if want <= 0:
                 break
             batches = self._passes.take(
@@ -447,139 +377,35 @@ class Trainer:
             if not batches:
                 if self.loop.steps_per_epoch is None and ran_any:
                     break  # the pass is over: so is the epoch
-                raise DataEndedError(self._data_ended_message())
+                raise self.loop.data_ended()
             ran_any = True
-            self._dispatch(batches)
+            self.state = steps.run(self.state, [self._input.wrap(b) for b in batches])
             self._after_dispatch(cbs, len(batches))
-            if self._calibration is not None:
-                self._calibrate(cbs)
-        return self._epoch_logs()
-
-    def _calibrate(self, cbs: CallbackList) -> None:
-        """``steps_per_execution="auto"``: time single steps, then fuse enough of them.
-
-        The first dispatch compiles; the clock covers the next ``_CALIBRATION_STEPS``
-        (two host syncs in all, once per fit).
-        """
-        done = self.loop.global_step - self.loop.initial_step
-        if done == 1:
-            jax.block_until_ready(self.state)
-            self._calibration = time.perf_counter()
-        elif done == 1 + _CALIBRATION_STEPS and self._calibration is not None:
-            jax.block_until_ready(self.state)
-            per_step = (time.perf_counter() - self._calibration) / _CALIBRATION_STEPS
-            caps = [self.log_every, *(cb.step_interval for cb in cbs)]
-            self.steps_per_execution = auto_steps_per_execution(
-                per_step, min(c for c in caps if c is not None)
+            steps.calibrate(
+                self.state,
+                self.loop.global_step - self.loop.initial_step,
+                [self.log_every, *(cb.step_interval for cb in cbs)],
             )
-            self._calibration = None
-
-    def _data_ended_message(self) -> str:
-        if self.loop.steps is not None:
-            wanted = f"steps={self.loop.steps}"
-        elif self.loop.steps_per_epoch is not None:
-            wanted = f"{self.loop.epochs} epochs x {self.loop.steps_per_epoch} steps"
-        else:
-            wanted = f"epochs={self.loop.epochs} (epoch {self.loop.epoch} got no batch)"
-        return (
-            f"The training data ended after {self.loop.global_step} steps, but fit asked for "
-            f"{wanted}. Make the dataset repeat (e.g. ArrayPipeline(num_epochs=None)), pass "
-            "a re-iterable dataset instead of a one-shot iterator, or ask for fewer steps."
-        )
-
-    def _dispatch(self, batches: list[Any]) -> None:
-        if self._resident is not None:
-            batches = [self._resident.batch(b) for b in batches]
-        if self._acc is None:
-            shapes = F.trace_shapes(
-                self.strategy, F.make_metrics_fn(self._fit_step), (self.state, batches[0])
-            )
-            self._layout = F.Layout(shapes)
-            self._zero_acc = F.per_replica_zeros(self.strategy, self._layout.size)
-            self._acc = self._zero_acc
-        k = self.steps_per_execution
-        groups = [batches] if len(batches) == k else [[b] for b in batches]
-        first = self.loop.global_step == self.loop.initial_step
-        for group in groups:
-            fn = F.make_train_fn(self._fit_step, len(group))
-            self.state, self._acc = self.strategy.run(
-                fn, args=(self.state, self._acc, *group), donate_argnums=self._donate
-            )
-        if first:
-            self._warn_if_state_varies()
+        return steps.epoch_logs(self.loop.global_step)
 
     def state_snapshot(self) -> Any:
         """A copy of the current state that later (donating) steps leave intact."""
         return jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, self.state)
-
-    def _warn_if_state_varies(self) -> None:
-        from distrain._src.values import PerReplica
-
-        varying = [
-            jax.tree_util.keystr(p)
-            for p, x in jax.tree_util.tree_leaves_with_path(
-                self.state, is_leaf=lambda x: isinstance(x, PerReplica)
-            )
-            if isinstance(x, PerReplica)
-        ]
-        if varying:
-            warnings.warn(
-                f"train_step returned a state whose leaves {varying[:5]} differ across "
-                "replicas (they came back as dt.PerReplica). Replicas then train different "
-                "models. All-reduce what must agree (state.apply_gradients does it for "
-                "gradients; use dt.get_replica_context().all_reduce for statistics).",
-                stacklevel=3,
-            )
 
     def _after_dispatch(self, cbs: CallbackList, n: int) -> None:
         loop = self.loop
         before = loop.global_step
         loop.global_step += n
         loop.step_in_epoch += n
-        self._window_steps += n
         logs = None
         if loop.global_step // self.log_every > before // self.log_every:
-            logs = self._flush_window()
+            assert self._steps is not None
+            logs = self._steps.flush(loop.global_step)
         if cbs.listens("on_train_batch_end"):
             cbs.call(
                 "on_train_batch_end",
                 StepInfo(loop.global_step, loop.epoch, loop.step_in_epoch, n, logs, self.state),
             )
-
-    # ---------------------------------------------------------- metric sums
-    def _flush_window(self) -> dict[str, float] | None:
-        """Reads the device accumulator (host sync), folds it into the epoch sums."""
-        if self._acc is None or self._layout is None or self._window_steps == 0:
-            return None
-        host = self._layout.unpack(jax.device_get(self.strategy.reduce("sum", self._acc)))
-        self._acc = self._zero_acc
-        self._window_steps = 0
-        if self._epoch_sums is None:
-            self._epoch_sums = host
-        else:
-            self._epoch_sums = {k: self._epoch_sums[k].merge(host[k]) for k in host}
-        logs = {k: m.compute() for k, m in host.items()}
-        self._warn_if_not_finite(logs)
-        return logs
-
-    def _warn_if_not_finite(self, logs: dict[str, Any]) -> None:
-        """Warns once per fit when a metric turns NaN/inf and nothing else will say so."""
-        if self._warned_not_finite or any(isinstance(cb, TerminateOnNaN) for cb in self._cbs or ()):
-            return
-        bad = {k: v for k, v in logs.items() if np.ndim(v) == 0 and not np.isfinite(v)}
-        if bad:
-            self._warned_not_finite = True
-            warnings.warn(
-                f"Training metrics are not finite at step {self.loop.global_step}: {bad}. The "
-                "state is probably NaN from here on; add dt.callbacks.TerminateOnNaN() to stop "
-                "fit at the first non-finite metric (checkpoints then keep the last good step).",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-
-    def _epoch_logs(self) -> dict[str, float]:
-        self._flush_window()
-        return {k: m.compute() for k, m in (self._epoch_sums or {}).items()}
 
     # -------------------------------------------------------------- evaluate
     def evaluate(
@@ -612,7 +438,7 @@ class Trainer:
         cbs = _callbacks or CallbackList([*self.callbacks, *callbacks], self)
         cbs.call("on_test_begin", None)
         state = self.strategy.put_replicated(state) if not self.loop.in_fit else state
-        batches = _inference.distribute(self.strategy, data)
+        batches = _input.distribute(self.strategy, data)
         logs = _inference.evaluate_loop(
             self.strategy, self._eval_fn, self._zeros, state, batches, steps
         )
@@ -648,23 +474,8 @@ class Trainer:
         cbs = CallbackList([*self.callbacks, *callbacks], self)
         cbs.call("on_predict_begin", None)
         state = self.strategy.put_replicated(state)
-        batches = _inference.distribute(self.strategy, data)
+        batches = _input.distribute(self.strategy, data)
         result = _inference.predict_loop(self.strategy, self._predict_fn, state, batches, steps)
         cbs.call("on_predict_end", None)
         return result
 
-
-def _check_state_keys(callbacks: Iterable[Callback]) -> None:
-    """Callbacks that save a state with checkpoints need distinct ``state_key``s: two
-    under one key would overwrite each other (and resume into one another's state)."""
-    seen: dict[str, Callback] = {}
-    for cb in callbacks:
-        if type(cb).state_dict is Callback.state_dict:
-            continue  # saves nothing
-        if cb.state_key in seen:
-            raise ValueError(
-                f"Two callbacks save their state under the key {cb.state_key!r}: "
-                f"{seen[cb.state_key]!r} and {cb!r}. Give one a distinct `state_key` "
-                "(override the property) so that a resumed fit restores each its own."
-            )
-        seen[cb.state_key] = cb

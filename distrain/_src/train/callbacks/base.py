@@ -163,6 +163,36 @@ class CallbackList:
         for method in self._by_hook[hook]:
             method(*args)
 
+    def check_state_keys(self) -> None:
+        """Callbacks that save a state with checkpoints need distinct ``state_key``s: two
+        under one key would overwrite each other (and resume into one another's state)."""
+        seen: dict[str, Callback] = {}
+        for cb in self.callbacks:
+            if type(cb).state_dict is Callback.state_dict:
+                continue  # saves nothing
+            if cb.state_key in seen:
+                raise ValueError(
+                    f"Two callbacks save their state under the key {cb.state_key!r}: "
+                    f"{seen[cb.state_key]!r} and {cb!r}. Give one a distinct `state_key` "
+                    "(override the property) so that a resumed fit restores each its own."
+                )
+            seen[cb.state_key] = cb
+
+    def state_dicts(self) -> dict[str, Any]:
+        """Each callback's ``state_dict()`` (those that have one) by ``state_key``."""
+        states = {}
+        for cb in self.callbacks:
+            state = cb.state_dict()
+            if state is not None:
+                states[cb.state_key] = state
+        return states
+
+    def load_state_dicts(self, states: dict[str, Any]) -> None:
+        """Hands each callback its saved state (what :meth:`state_dicts` returned)."""
+        for cb in self.callbacks:
+            if cb.state_key in states:
+                cb.load_state_dict(states[cb.state_key])
+
     def abort(self, error: BaseException) -> None:
         """Calls ``on_train_abort`` on all callbacks even if one of them raises."""
         first: BaseException | None = None
