@@ -433,3 +433,104 @@ def test_gpt2_small_trains_with_fsdp_over_eight_devices(devices, splits):
     before = jax.tree.leaves(state.params)[0]
     after = jax.tree.leaves(final.params)[0]
     assert after.shape == before.shape and not np.array_equal(np.asarray(after), np.asarray(before))
+
+
+# ------------------------------------------------------------- pipeline stages
+PIPED = dataclasses.replace(TINY, n_layers=8, pipeline_microbatches=4)
+
+
+def test_stacked_blocks_are_the_list_model(splits):
+    """The pipelined model's stacked blocks are the list model's blocks, one leading
+    layer dimension: the same parameters give the same logits, packed rows included
+    (segment ids and positions travel with each microbatch)."""
+    from examples.lm.model import make_apply_fn
+
+    listed = dataclasses.replace(PIPED, pipeline_microbatches=None)
+    graphdef, params = nnx.split(Transformer(listed, rngs=nnx.Rngs(0)))
+    params = nnx.to_pure_dict(params)
+    blocks = [params["blocks"][i] for i in range(listed.n_layers)]
+    stacked = dict(params, blocks=jax.tree.map(lambda *xs: jnp.stack(xs), *blocks))
+    piped_graph, _ = nnx.split(nnx.eval_shape(lambda: Transformer(PIPED, rngs=nnx.Rngs(0))))
+    tokens = jnp.asarray(splits["train"]["tokens"][:8, :16])
+    segments = jnp.asarray(np.repeat([[1] * 6 + [2] * 10], 8, 0))
+    positions = jnp.asarray(np.repeat([list(range(6)) + list(range(10))], 8, 0))
+    for extra in ((), (segments, positions)):
+        want = make_apply_fn(graphdef)(params, tokens, *extra)
+        got = make_apply_fn(piped_graph)(stacked, tokens, *extra)
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def piped_model():
+    apply_fn, state = init_state(
+        dataclasses.replace(SETTINGS, model=PIPED, optimizer="sgd", learning_rate=0.5)
+    )
+    return functools.partial(train_step, apply_fn=apply_fn), state
+
+
+@pytest.fixture(scope="module")
+def piped_one_device(devices, piped_model, splits):
+    """The same stacked model on one device: dt.nn.pipeline is a scan over the layers."""
+    return _fit(dt.MirroredStrategy(devices[:1]), piped_model, splits["train"], 2)
+
+
+@pytest.mark.parametrize(
+    "n_devices, mesh, accum",
+    [(4, {"stage": 4}, 1), (8, {"stage": 4}, 2), (8, {"stage": 2, "fsdp": 2}, 1)],
+    ids=["1x{stage:4}", "2x{stage:4}+accum", "2x{stage:2,fsdp:2}"],
+)
+def test_pipelined_lm_trains_as_the_unpipelined_model(
+    devices, piped_model, piped_one_device, splits, n_devices, mesh, accum
+):
+    """The LM's 8 blocks over pipeline stages (GPipe, 4 microbatches), each stage's
+    layers on its devices: two SGD steps give the one-device parameters (summation
+    order aside), with gradient accumulation as well."""
+    from examples.lm.model import pipeline_layout
+
+    strategy = dt.MirroredStrategy(
+        devices[:n_devices], devices_per_replica=mesh, layout=pipeline_layout(mesh)
+    )
+    assert strategy.num_replicas_in_sync == n_devices // 4
+    placed = strategy.put_replicated(piped_model[1]).params["blocks"]
+    want_spec = P("stage", "fsdp") if "fsdp" in mesh else P("stage")
+    assert placed["mlp"]["fc"]["kernel"].sharding.spec == want_spec
+    assert placed["norm1"]["scale"].sharding.spec == P("stage")
+    step, state = piped_model
+    trainer = dt.Trainer(strategy, step, log_every=1, grad_accum_steps=accum)
+    data = ArrayPipeline(splits["train"], global_batch_size=16, seed=0, num_epochs=None)
+    got, history = trainer.fit(state, data, steps=2)
+    params, loss = jax.device_get(got.params), history.history["loss"][-1]
+    want_params, want_loss = piped_one_device
+    assert loss == pytest.approx(want_loss, rel=1e-5)
+    jax.tree.map(
+        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6), params, want_params
+    )
+
+
+def test_a_pipelined_checkpoint_restores_on_one_device_and_back(
+    devices, piped_model, splits, tmp_path
+):
+    """The state of a pipelined run is the ordinary (stacked) state: its checkpoint
+    restores bit for bit on one device, and one device's back onto the stages."""
+    from examples.lm.model import pipeline_layout
+
+    staged = dt.MirroredStrategy(
+        devices_per_replica={"stage": 4}, layout=pipeline_layout({"stage": 4})
+    )
+    one = dt.OneDeviceStrategy(devices[0])
+    step, state = piped_model
+    backup = dt.callbacks.BackupAndRestore(tmp_path / "b", save_freq=2, delete_checkpoint=False)
+    data = ArrayPipeline(splits["train"], global_batch_size=16, seed=0, num_epochs=None)
+    trained, _ = dt.Trainer(staged, step).fit(state, data, steps=2, callbacks=[backup])
+    saved = jax.device_get(trained.params)
+    with dt.checkpoint.CheckpointManager(tmp_path / "b") as mgr:
+        on_one = mgr.restore(target=one.put_replicated(state))
+    assert on_one.step == 2
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(on_one.state.params), saved)
+    with dt.checkpoint.CheckpointManager(tmp_path / "one") as mgr:
+        mgr.save(2, on_one.state)
+        mgr.wait_until_finished()
+        back = mgr.restore(target=staged.put_replicated(state))
+    kernel = back.state.params["blocks"]["attn"]["qkv"]["kernel"]
+    assert kernel.sharding.spec == P("stage")
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(back.state.params), saved)

@@ -74,3 +74,14 @@ def test_auto_gives_the_same_parameters_as_single_steps(mirrored):
 def test_a_bad_string_is_refused(mirrored):
     with pytest.raises(ValueError, match="positive int or 'auto'.*'fast'"):
         dt.Trainer(mirrored, train_step, steps_per_execution="fast")
+
+
+def test_setting_steps_per_execution_after_construction_still_works(mirrored):
+    """It was a plain attribute: code that sets it keeps working (fixed k, no auto)."""
+    trainer = dt.Trainer(mirrored, train_step, steps_per_execution="auto")
+    trainer.steps_per_execution = 4
+    every = Every(1)
+    trainer.fit(new_state(), data(), steps=8, callbacks=[every])
+    assert every.sizes == [4, 4] and trainer.steps_per_execution == 4
+    with pytest.raises(ValueError, match="`steps_per_execution` must be a positive int"):
+        trainer.steps_per_execution = 0

@@ -12,6 +12,11 @@ load-balanced row (``dt.nn.load_balance``) passes its permuted positions the sam
 ``remat`` recomputes each block's activations in the backward pass by a
 ``jax.checkpoint_policies`` policy (see :data:`REMAT_POLICIES`).
 
+``pipeline_microbatches=M`` stacks the blocks (one leading layer dimension, the
+``nnx.vmap`` / ``lax.scan`` layout) and runs them through ``dt.nn.pipeline``: a scan over
+the layers on a replica without a ``"stage"`` axis, GPipe over its stages with one (lay
+the stacked blocks out with :func:`pipeline_layout`). Embedding and head stay outside.
+
 Parameters are float32; ``dtype="bfloat16"`` runs the matmuls and attention in bf16
 (mixed precision) and computes the logits and the loss in float32.
 
@@ -29,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 import jax
@@ -43,11 +48,13 @@ __all__ = [
     "REMAT_POLICIES",
     "TENSOR_PARALLEL_LAYOUT",
     "LMConfig",
+
     "constrain_hidden",
     "Transformer",
     "count_params",
     "flops_per_token",
     "make_apply_fn",
+    "pipeline_layout",
     "transformer",
 ]
 
@@ -80,6 +87,9 @@ class LMConfig:
       remat: a key of :data:`REMAT_POLICIES`: what each block saves for the backward pass.
       attention: ``dt.nn.dot_product_attention``'s implementation over a split sequence,
         ``"ring"`` or ``"all_gather"`` (``None``: ring); no effect on a whole sequence.
+      pipeline_microbatches: ``None``: the blocks are a list; an int ``M``: they are
+        stacked and run by ``dt.nn.pipeline`` with ``M`` microbatches.
+      pipeline_repeats: ``dt.nn.pipeline``'s ``repeats`` (the circular schedule).
     """
 
     vocab_size: int = 256
@@ -92,9 +102,14 @@ class LMConfig:
     dtype: Literal["float32", "bfloat16"] = "float32"
     remat: str = "none"
     attention: Literal["ring", "all_gather"] | None = None
+    pipeline_microbatches: int | None = None
+    pipeline_repeats: int = 1
 
     def __post_init__(self) -> None:
-        for name in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
+        names = ["vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "pipeline_repeats"]
+        if self.pipeline_microbatches is not None:
+            names.append("pipeline_microbatches")
+        for name in names:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"LMConfig.{name} must be a positive int. Received: {v!r}.")
@@ -156,6 +171,21 @@ TENSOR_PARALLEL_LAYOUT = {
     "mlp/proj/kernel": P("tensor", "fsdp"),
     "embed/embedding": P("tensor", "fsdp"),
 }
+
+
+def pipeline_layout(devices_per_replica: Mapping[str, int]) -> list[tuple[str, P]]:
+    """Layout rules for the stacked blocks of a pipelined model (``pipeline_microbatches``)
+    on a replica mesh with a ``"stage"`` axis: the layer dimension split over
+    ``"stage"`` (each stage holds its own layers) and, where the mesh has ``"fsdp"``,
+    each kernel's input dimension over it inside the stage; everything else (embedding,
+    final norm) FSDP by default.
+
+    Example:
+      >>> dt.MirroredStrategy(devices_per_replica={"stage": 2, "fsdp": 2},
+      ...                     layout=pipeline_layout({"stage": 2, "fsdp": 2}))
+    """
+    kernel = P("stage", "fsdp") if "fsdp" in devices_per_replica else P("stage")
+    return [("blocks/.*/kernel", kernel), ("blocks/", P("stage"))]
 
 
 def rope_tables(positions: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array]:
@@ -271,7 +301,16 @@ class Transformer(nnx.Module):
             if cfg.positions == "learned"
             else None
         )
-        self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        if cfg.pipeline_microbatches is None:
+            self.blocks: Any = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        else:  # one Block whose parameters have a leading layer dimension
+
+            @nnx.split_rngs(splits=cfg.n_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stacked(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs=rngs)
+
+            self.blocks = stacked(rngs)
         self.norm = nnx.LayerNorm(cfg.d_model, dtype=dt, rngs=rngs)
 
     def __call__(
@@ -295,11 +334,36 @@ class Transformer(nnx.Module):
         else:
             rope = rope_tables(pos, cfg.head_dim)
         ctx = Context(rope, segment_ids, positions)
-        call = _remat(cfg.remat)
-        for block in self.blocks:
-            x = constrain_hidden(call(block, x, ctx))
+        if cfg.pipeline_microbatches is not None:
+            x = self._pipelined(x, ctx)
+        else:
+            call = _remat(cfg.remat)
+            for block in self.blocks:
+                x = constrain_hidden(call(block, x, ctx))
         # The tied head in the compute dtype; logits (and so the loss) in float32.
         return self.embed.attend(self.norm(x)).astype(jnp.float32)
+
+
+    def _pipelined(self, x: jax.Array, ctx: Context) -> jax.Array:
+        """The stacked blocks through ``dt.nn.pipeline``; ``ctx`` (per row) goes with
+        each microbatch as its ``aux``."""
+        cfg = self.cfg
+        graphdef, params = nnx.split(self.blocks)
+
+        def layer(p: Any, h: jax.Array, c: Context) -> jax.Array:
+            return nnx.merge(graphdef, p)(h, c)
+
+        policy = REMAT_POLICIES[cfg.remat]
+        if policy is not None:
+            layer = jax.checkpoint(layer, policy=policy())
+        return dt.nn.pipeline(
+            layer,
+            params,
+            x,
+            microbatches=cfg.pipeline_microbatches or 1,
+            repeats=cfg.pipeline_repeats,
+            aux=ctx,
+        )
 
 
 def _call_block(block: Block, x: jax.Array, ctx: Context) -> jax.Array:

@@ -88,14 +88,14 @@ def train_step(
     mask_key: str = "mask",
 ) -> tuple[dt.TrainState, dict[str, Any]]:
     """One per-replica step of next-byte prediction; metrics: ``loss`` (mean per token)."""
-    ctx = dt.get_replica_context()
 
     def loss_fn(params: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array | None]]:
         per_token, weights = _token_losses(params, batch, apply_fn, mask_key)
         if weights is None:
-            # Divide by the tokens of the global batch: no collective needed.
-            n = per_token.size * ctx.num_replicas_in_sync
-            return dt.compute_average_loss(per_token, global_batch_size=n), (per_token, None)
+            # Every row has seq_len tokens: the mean of the rows' means is the mean per
+            # token, divided by the global batch's rows (no collective; under gradient
+            # accumulation by the whole update's rows).
+            return dt.compute_average_loss(per_token.mean(-1)), (per_token, None)
         # Divide by the real tokens over all replicas (one scalar all-reduce).
         return dt.compute_average_loss(per_token, mask=weights), (per_token, weights)
 

@@ -23,6 +23,12 @@ Memory. Each stage holds ``1/S`` of the stacked parameters (lay them out with a
 slower) and, for the backward pass, its activations for every tick (``remat=True``
 keeps only each chunk's input and recomputes the rest).
 
+Per-row values every layer reads and none changes (a transformer's segment ids,
+positions or rotary tables) go in ``aux``: they are cut into the same microbatches, and
+every stage indexes its current microbatch's part (``aux`` is whole on each stage, so
+nothing of it travels around the ring); ``layer_fn(params_l, x, aux)`` then takes three
+arguments.
+
 Not supported (yet): 1F1B and zero-bubble schedules, which interleave backward and
 forward passes of different microbatches (they need a hand-written backward pass, not
 ``jax.grad`` of the forward schedule), and stages of different shapes.
@@ -54,12 +60,13 @@ def pipeline(
     repeats: int = 1,
     remat: bool = False,
     axis: str = "stage",
+    aux: Any = None,
 ) -> jax.Array:
     """Applies ``L`` stacked layers to ``x``, pipelined over ``axis`` when the replica has it.
 
     Args:
-      layer_fn: ``layer_fn(params_l, x) -> x``, one layer; its output has ``x``'s shape
-        and dtype.
+      layer_fn: ``layer_fn(params_l, x) -> x`` (``layer_fn(params_l, x, aux)`` with
+        ``aux``), one layer; its output has ``x``'s shape and dtype.
       stacked_params: a pytree whose leaves have a leading layer dimension ``L``.
       x: the batch, ``[B, ...]``.
       microbatches: ``M``, how many pieces the batch is cut into (``B % M == 0``).
@@ -68,6 +75,8 @@ def pipeline(
       remat: recompute each chunk's activations in the backward pass
         (``jax.checkpoint``) instead of keeping them.
       axis: the mesh axis of the stages.
+      aux: a pytree of per-row arrays (``[B, ...]``) every layer reads, microbatched
+        with ``x``; ``None`` (default): ``layer_fn`` takes two arguments.
 
     Returns:
       ``x`` after the ``L`` layers (the same values as a ``lax.scan`` over them).
@@ -78,12 +87,12 @@ def pipeline(
         leading dimension.
       TypeError: ``microbatches`` or ``repeats`` not a positive int.
     """
-    layers = _check(layer_fn, stacked_params, x, microbatches, repeats)
-    step = jax.checkpoint(layer_fn) if remat else layer_fn
+    fn = layer_fn if aux is not None else lambda p, h, _: layer_fn(p, h)
+    layers = _check(fn, stacked_params, x, aux, microbatches, repeats)
     mesh = jax.sharding.get_abstract_mesh()
     stages = 1 if mesh.empty or axis not in mesh.axis_names else mesh.shape[axis]
     if stages == 1:
-        return _scan(step, stacked_params, x)
+        return _scan(jax.checkpoint(fn) if remat else fn, stacked_params, x, aux)
     if layers % (stages * repeats):
         raise ValueError(
             f"pipeline: {layers} layers do not split into {stages} stages x {repeats} "
@@ -103,32 +112,37 @@ def pipeline(
         return jnp.swapaxes(a, 0, 1)
 
     params = jax.tree.map(chunked, stacked_params)
-    xs = x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])
-    chunk = jax.checkpoint(lambda p, h: _scan(layer_fn, p, h)) if remat else (
-        lambda p, h: _scan(layer_fn, p, h)
-    )
+
+    def cut(a: jax.Array) -> jax.Array:  # [B, ...] -> [M, B / M, ...]
+        return a.reshape(microbatches, a.shape[0] // microbatches, *a.shape[1:])
+
+    def chunk(p: Any, h: jax.Array, a: Any) -> jax.Array:
+        return _scan(fn, p, h, a)
+
     run = jax.shard_map(
-        lambda p, xs: _schedule(chunk, p, xs, stages, repeats, microbatches, axis),
+        lambda p, xs, auxs: _schedule(
+            jax.checkpoint(chunk) if remat else chunk, p, xs, auxs, stages, repeats, axis
+        ),
         mesh=mesh,
-        in_specs=(jax.tree.map(lambda _: P(axis), params), P()),
+        in_specs=(jax.tree.map(lambda _: P(axis), params), P(), P()),
         out_specs=P(),
         axis_names={axis},
         check_vma=False,
     )
-    return run(params, xs).reshape(x.shape)
+    return run(params, cut(x), jax.tree.map(cut, aux)).reshape(x.shape)
 
 
-def _scan(layer_fn: Callable[..., jax.Array], params: Any, x: jax.Array) -> jax.Array:
-    return jax.lax.scan(lambda h, p: (layer_fn(p, h), None), x, params)[0]
+def _scan(fn: Callable[..., jax.Array], params: Any, x: jax.Array, aux: Any) -> jax.Array:
+    return jax.lax.scan(lambda h, p: (fn(p, h, aux), None), x, params)[0]
 
 
 def _schedule(
-    chunk: Callable[[Any, jax.Array], jax.Array],
+    chunk: Callable[[Any, jax.Array, Any], jax.Array],
     params: Any,
     xs: jax.Array,
+    auxs: Any,
     stages: int,
     repeats: int,
-    microbatches: int,
     axis: str,
 ) -> jax.Array:
     """One stage's part of the schedule (inside the shard_map over ``axis``)."""
@@ -136,6 +150,7 @@ def _schedule(
     params = jax.tree.map(lambda a: a[0], params)  # this stage's [R, K, ...]
     ring = [(i, (i + 1) % stages) for i in range(stages)]
     period = stages * repeats
+    microbatches = xs.shape[0]
 
     def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> Any:
         incoming, outs = carry
@@ -146,7 +161,7 @@ def _schedule(
         valid = (u >= 0) & (g * stages + j < microbatches)
         fresh = (s == 0) & (r == 0)  # a microbatch enters the ring here
         h = jnp.where(fresh, xs[m], incoming)
-        y = chunk(jax.tree.map(lambda a: a[r], params), h)
+        y = chunk(jax.tree.map(lambda a: a[r], params), h, jax.tree.map(lambda a: a[m], auxs))
         done = valid & (s == stages - 1) & (r == repeats - 1)
         outs = outs.at[m].set(jnp.where(done, y, outs[m]))
         return (jax.lax.ppermute(y, axis, ring), outs), None
@@ -159,7 +174,12 @@ def _schedule(
 
 
 def _check(
-    layer_fn: Callable[..., Any], stacked_params: Any, x: jax.Array, microbatches: Any, repeats: Any
+    fn: Callable[..., Any],
+    stacked_params: Any,
+    x: jax.Array,
+    aux: Any,
+    microbatches: Any,
+    repeats: Any,
 ) -> int:
     for name, v in (("microbatches", microbatches), ("repeats", repeats)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -177,9 +197,19 @@ def _check(
             f"pipeline: the batch ({x.shape[0] if x.ndim else 'a scalar'} rows) must be "
             f"divisible by microbatches={microbatches}."
         )
+    rows = {a.shape[0] if a.ndim else None for a in jax.tree.leaves(aux)}
+    if rows - {x.shape[0]}:
+        raise ValueError(
+            f"pipeline: every leaf of `aux` needs the batch's {x.shape[0]} rows as its "
+            f"leading dimension (it is microbatched with x). Received {sorted(map(str, rows))}."
+        )
+
+    def piece(a: Any) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((a.shape[0] // microbatches, *a.shape[1:]), a.dtype)
+
     one = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), stacked_params)
-    mb = jax.ShapeDtypeStruct((x.shape[0] // microbatches, *x.shape[1:]), x.dtype)
-    out = jax.eval_shape(layer_fn, one, mb)
+    mb = piece(x)
+    out = jax.eval_shape(fn, one, mb, jax.tree.map(piece, aux))
     if not isinstance(out, jax.ShapeDtypeStruct) or (out.shape, out.dtype) != (mb.shape, mb.dtype):
         got = (out.shape, out.dtype) if isinstance(out, jax.ShapeDtypeStruct) else type(out)
         raise ValueError(

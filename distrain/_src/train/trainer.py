@@ -196,6 +196,13 @@ class Trainer:
         """Steps per dispatch: as given, or under ``"auto"`` the calibrated choice."""
         return self._steps.k if self._steps is not None else self._k
 
+    @steps_per_execution.setter
+    def steps_per_execution(self, k: int) -> None:
+        self._k = positive_int("steps_per_execution", k)
+        self._auto_k = False
+        if self._steps is not None:  # from a callback during fit: the next dispatch
+            self._steps.k = self._k
+
     @property
     def input_mode(self) -> str | None:
         """``"device"`` or ``"host"``: where this ``fit``'s input lives (None before)."""
