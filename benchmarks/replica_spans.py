@@ -2,13 +2,17 @@
 
 Two workloads on 8 devices (8 virtual CPU devices by default): the MLP 512-2048-10
 (Adam, global batch 64) and the LM example's tiny transformer (configs/lm_tiny.yaml's
-shapes, AdamW, global batch 32 x 128 bytes). For each k in 1, 2, 4, 8,
-``MirroredStrategy(devices_per_replica=k)`` trains with ``strategy.run`` (state
-donated); the floor is a hand-written GSPMD ``jax.jit`` loop over the same devices
-with the same layout (the state's shardings from the strategy, the batch split over
-every device, one global-batch step). Reported per configuration: state bytes per
+shapes, AdamW, global batch 32 x 128 bytes). For each k in 1, 2, 4, 8 and the named
+mesh ``{"fsdp": 4, "tensor": 2}`` (Megatron rules: the MLP's hidden layer split by
+columns then rows over ``"tensor"``, the LM's ``TENSOR_PARALLEL_LAYOUT`` and its
+hidden-state constraint), ``MirroredStrategy(devices_per_replica=...)`` trains with
+``strategy.run`` (state donated); the floor is a hand-written GSPMD ``jax.jit`` loop
+over the same devices with the same specs (the state's shardings from the strategy,
+the batch placed as the strategy places it, the same mesh in context so activation
+constraints apply, one global-batch step). Reported per configuration: state bytes per
 device (``strategy.memory_report``), the compiled step's peak per device
-(``strategy.memory_analysis``: argument + output + temp - alias), median steps/s over
+(``strategy.memory_analysis`` with the state donated, as the loops run: argument +
+output + temp - alias), median steps/s over
 interleaved rounds, and the ratios to mirrored (k=1) and to the floor.
 
 Example::
@@ -69,6 +73,11 @@ def _lm(jax: Any, jnp: Any, optax: Any) -> tuple[Any, Any, Any]:
     return nnx.to_pure_dict(params), per_example, batch
 
 
+# Megatron-style rules for the MLP 512-2048-10 on {"fsdp": 4, "tensor": 2}: the hidden
+# layer's columns over "tensor" (its rows FSDP), the output layer's rows over "tensor".
+MLP_TENSOR_LAYOUT = {"w0": ("fsdp", "tensor"), "b0": ("tensor",), "w1": ("tensor", None)}
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--devices", type=int, default=8, help="virtual CPU devices (CPU only)")
@@ -85,7 +94,6 @@ def main(argv: list[str] | None = None) -> int:
     import jax
     import jax.numpy as jnp
     import optax
-    from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
     import distrain as dt
@@ -105,19 +113,27 @@ def main(argv: list[str] | None = None) -> int:
             loss, grads = jax.value_and_grad(lambda q: per_example(q, b).mean())(state.params)  # noqa: B023
             return state.apply_gradients(grads=grads, all_reduce=False), loss
 
+        if name == "mlp":
+            tensor_layout: Any = {k: P(*v) for k, v in MLP_TENSOR_LAYOUT.items()}
+        else:
+            from examples.lm.model import TENSOR_PARALLEL_LAYOUT as tensor_layout
+        configs: list[tuple[str, Any, Any]] = [
+            (f"k={k}", k, None) for k in (1, 2, 4, 8) if jax.device_count() % k == 0
+        ]
+        if jax.device_count() % 8 == 0:
+            configs.append(("fsdp4xtp2", {"fsdp": 4, "tensor": 2}, tensor_layout))
         runs: dict[str, Any] = {}
-        for k in (1, 2, 4, 8):
-            if jax.device_count() % k:
-                continue
-            strategy = dt.MirroredStrategy(devices_per_replica=k)
+        for key, dpr, layout in configs:
+            strategy = dt.MirroredStrategy(devices_per_replica=dpr, layout=layout)
             state = strategy.put_replicated(dt.TrainState.create(params=params, tx=tx))
             dist = strategy.distribute_batch(batch)
-            peak = strategy.memory_analysis(train_step, args=(state, dist))["peak_bytes"]
+            peak = strategy.memory_analysis(train_step, args=(state, dist), donate_argnums=0)
+            peak = peak["peak_bytes"]
             state_bytes = strategy.memory_report(state)["bytes_per_device"]
             shardings = strategy.state_shardings(state)
-            placed = jax.device_put(
-                batch, NamedSharding(strategy.mesh, P(strategy.mesh.axis_names))
-            )
+            # The global batch as the strategy placed it (rows over the replicas and a
+            # replica's devices).
+            placed = jax.tree.map(jnp.copy, dist.value)
             floor = jax.jit(
                 floor_step,
                 in_shardings=(shardings, None),
@@ -125,7 +141,9 @@ def main(argv: list[str] | None = None) -> int:
                 donate_argnums=0,
             )
             floor_state = jax.tree.map(jnp.copy, state)
-            floor_peak = floor.lower(floor_state, placed).compile().memory_analysis()
+            with _mesh_context(jax, strategy.mesh):  # activation constraints, as inside run
+                floor = floor.lower(floor_state, placed).compile()
+            floor_peak = floor.memory_analysis()
             floor_peak = (
                 floor_peak.argument_size_in_bytes
                 + floor_peak.output_size_in_bytes
@@ -145,7 +163,7 @@ def main(argv: list[str] | None = None) -> int:
                 jax.block_until_ready(loss)
                 return state
 
-            runs[f"k={k}"] = {
+            runs[key] = {
                 "replicas": strategy.num_replicas_in_sync,
                 "state_bytes_per_device": state_bytes,
                 "peak_bytes": int(peak),
@@ -195,6 +213,13 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
+
+
+def _mesh_context(jax: Any, mesh: Any) -> Any:
+    """``mesh`` as the context mesh while tracing (``jax.set_mesh``; older jax:
+    ``jax.sharding.use_mesh``)."""
+    set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
+    return set_mesh(mesh)
 
 
 if __name__ == "__main__":

@@ -123,6 +123,12 @@ def test_memory_falls_with_devices_per_replica(devices):
         )
         report[k] = (strategy.memory_report(state)["bytes_per_device"], analysis["peak_bytes"])
         assert strategy._compiler.num_programs == 1  # compiled, and nothing ran twice
+        # As the Trainer runs it (state donated): the new state reuses the old's buffers.
+        donated = strategy.memory_analysis(train_step, args=(state, dist), donate_argnums=0)
+        state_bytes = strategy.memory_report(state)["bytes_per_device"]
+        assert analysis["alias_bytes"] == 0
+        assert donated["alias_bytes"] >= 0.9 * state_bytes
+        assert donated["peak_bytes"] < analysis["peak_bytes"]  # (XLA may add temporaries)
     assert report[8][0] <= 1.3 / 8 * report[1][0]
     assert report[8][1] < 0.35 * report[1][1]
 

@@ -137,10 +137,12 @@ class ReplicaCompiler:
         self._in_flight.append(done)
         return self._strategy._from_compute(out) if self._moves else out
 
-    def compile(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
-        """The compiled program ``run(fn, args, kwargs)`` would execute, not run."""
+    def compile(
+        self, fn: Callable[..., Any], args: tuple, kwargs: dict, donate: tuple = ()
+    ) -> Any:
+        """The compiled program ``run(fn, args, kwargs, donate)`` would execute, not run."""
         flat, treedef = jax.tree.flatten((args, kwargs))
-        program, arrays = self._lookup((fn, treedef, ()), fn, args, kwargs, flat, treedef)
+        program, arrays = self._lookup((fn, treedef, donate), fn, args, kwargs, flat, treedef)
         if self._state_off_mesh():
             arrays = self._to_compute(arrays, treedef, program)
         jitted: Any = program.jitted  # a jax.jit-wrapped function

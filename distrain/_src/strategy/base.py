@@ -335,15 +335,23 @@ class Strategy(abc.ABC):
         )
 
     def memory_analysis(
-        self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict | None = None,
+        *,
+        donate_argnums: int | Sequence[int] = (),
     ) -> dict[str, int]:
-        """Per-device bytes of ``strategy.run(fn, args, kwargs)``'s program, compiled, not run.
+        """Per-device bytes of ``strategy.run(fn, args, kwargs, donate_argnums=...)``'s
+        program, compiled, not run.
 
         Tells whether a step fits on the devices before running it. From XLA's
         compiled memory analysis: ``argument_bytes`` (inputs: state, batch),
         ``output_bytes``, ``temp_bytes`` (activations, gradients, workspace),
         ``alias_bytes`` (outputs that reuse donated inputs) and ``peak_bytes`` =
-        argument + output + temp - alias. It does not count what lives outside the
+        argument + output + temp - alias: pass the ``donate_argnums`` the step runs with
+        (the Trainer donates the state, ``0``), else the new state counts as a second
+        copy. It does not count what lives outside the
         program (other arrays the process holds, the input pipeline's prefetched
         batches, the allocator's fragmentation). XLA:CPU's own
         ``peak_memory_in_bytes`` leaves temporaries out, hence the sum.
@@ -355,15 +363,15 @@ class Strategy(abc.ABC):
         ``distribute_batch`` made of ``ShapeDtypeStruct`` rows.
 
         Example:
-          >>> strategy.memory_analysis(train_step, args=(state, batch))["peak_bytes"]
+          >>> strategy.memory_analysis(train_step, args=(state, batch), donate_argnums=0)
           >>> abstract = jax.eval_shape(make_state)           # allocates nothing
           >>> batch = strategy.distribute_batch(jax.ShapeDtypeStruct((64, 512), jnp.int32))
           >>> strategy.memory_analysis(train_step, args=(abstract, batch))["peak_bytes"]
         """
         context.require_cross_replica(self, "memory_analysis")
-        args, kwargs, _ = _checks.check_run_arguments(fn, args, kwargs, ())
+        args, kwargs, donate = _checks.check_run_arguments(fn, args, kwargs, donate_argnums)
         placed, kw = self._place_abstract((tuple(args), kwargs or {}))
-        m = self._compiler.compile(fn, placed, kw).memory_analysis()
+        m = self._compiler.compile(fn, placed, kw, donate).memory_analysis()
         parts = {
             "argument_bytes": int(m.argument_size_in_bytes),
             "output_bytes": int(m.output_size_in_bytes),

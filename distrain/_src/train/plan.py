@@ -152,7 +152,8 @@ def plan_config(cfg: Any, device_memory: int | None = None) -> dict[str, Any]:
         step = accumulate_gradients(step, cfg.train.grad_accum_steps)
     batch = strategy.distribute_batch(_abstract_batch(cfg))
     with strategy.scope():
-        memory = strategy.memory_analysis(step, args=(placed, batch))
+        # The Trainer donates the state to each step: the new state reuses its buffers.
+        memory = strategy.memory_analysis(step, args=(placed, batch), donate_argnums=0)
     peak = memory["peak_bytes"]
     return {
         "config": cfg.name,
