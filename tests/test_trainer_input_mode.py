@@ -96,6 +96,18 @@ def test_only_row_ids_cross_per_step(mirrored, monkeypatch):
         assert [x.dtype for x in leaves] == [np.int32] and leaves[0].shape == (32,)
 
 
+def test_a_second_fit_on_device_input_compiles_nothing(mirrored):
+    """The gathering step is one function per strategy, step and batch structure:
+    strategy.run compiles per function object, so a wrapper made per fit recompiled
+    the whole step every fit."""
+    state = new_state()
+    dt.Trainer(mirrored, train_step, input_mode="device").fit(state, pipe(), steps=2)
+    programs = mirrored._compiler.num_programs
+    trainer = dt.Trainer(mirrored, train_step, input_mode="device")
+    trainer.fit(state, pipe(), steps=2)
+    assert trainer.input_mode == "device" and mirrored._compiler.num_programs == programs
+
+
 def test_a_checkpoint_resumes_across_modes(mirrored, tmp_path):
     full, _ = dt.Trainer(mirrored, train_step, input_mode="host").fit(new_state(), pipe(), steps=8)
     backup = dt.callbacks.BackupAndRestore(tmp_path / "b", save_freq=4)

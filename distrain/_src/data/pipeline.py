@@ -69,6 +69,7 @@ Example::
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, cast
@@ -277,21 +278,8 @@ class ArrayPipeline:
         return arr
 
     def _unflatten(self, leaves: list[Any], mask: Any) -> Any:
-        """A batch in the data's structure from its leaves and mask (None without mask_key).
-
-        NumPy arrays here; jax arrays when a device-resident dataset gathers its rows.
-        """
-        if self._kind == "dict":
-            keys = cast(list[str], self._keys)  # cast: _flatten gives keys for dict data
-            out = dict(zip(keys, leaves, strict=True))
-            if self.mask_key is not None:
-                out[self.mask_key] = mask
-            return out
-        if self._kind == "tuple":
-            return tuple(leaves)
-        if self._kind == "list":
-            return list(leaves)
-        return leaves[0]
+        """A batch in the data's structure from its leaves and mask (None without mask_key)."""
+        return structure(self).unflatten(leaves, mask)
 
     # -- position ---------------------------------------------------------------------------
 
@@ -462,7 +450,30 @@ def flat_arrays(pipeline: ArrayPipeline) -> list[np.ndarray]:
     return list(pipeline._leaves)
 
 
-def unflatten(pipeline: ArrayPipeline, leaves: list[Any], mask: Any) -> Any:
-    """A batch in the pipeline's structure from its leaves and mask (None without
-    ``mask_key``); jax arrays when device-resident input gathers the rows."""
-    return pipeline._unflatten(leaves, mask)
+@dataclasses.dataclass(frozen=True)
+class Structure:
+    """The structure of an ``ArrayPipeline``'s batches, without its arrays (hashable)."""
+
+    kind: str
+    keys: tuple[str, ...] | None
+    mask_key: str | None
+
+    def unflatten(self, leaves: list[Any], mask: Any) -> Any:
+        """A batch from its leaves and mask (None without ``mask_key``): NumPy arrays in
+        the pipeline, jax arrays when device-resident input gathers the rows."""
+        if self.kind == "dict":
+            out = dict(zip(cast(tuple[str, ...], self.keys), leaves, strict=True))
+            if self.mask_key is not None:
+                out[self.mask_key] = mask
+            return out
+        if self.kind == "tuple":
+            return tuple(leaves)
+        if self.kind == "list":
+            return list(leaves)
+        return leaves[0]
+
+
+def structure(pipeline: ArrayPipeline) -> Structure:
+    """The structure of ``pipeline``'s batches."""
+    keys = tuple(pipeline._keys) if pipeline._keys is not None else None
+    return Structure(pipeline._kind, keys, pipeline.mask_key)

@@ -30,6 +30,7 @@ choice is ``trainer.input_mode`` after ``fit`` starts.
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -40,7 +41,7 @@ import numpy as np
 
 from distrain._src.data.batches import whole_arrays_error
 from distrain._src.data.distributed import DistributedDataset
-from distrain._src.data.pipeline import ArrayPipeline, flat_arrays, unflatten
+from distrain._src.data.pipeline import ArrayPipeline, Structure, flat_arrays, structure
 from distrain._src.strategy._checks import check_placeable
 
 if TYPE_CHECKING:
@@ -62,9 +63,8 @@ class Resident:
 
     def __init__(self, strategy: Strategy, pipeline: ArrayPipeline) -> None:
         self.pipeline = pipeline
+        self.strategy = strategy
         self.arrays = strategy._place_dataset(check_placeable(flat_arrays(pipeline)))
-        self.mask_key = pipeline.mask_key
-        self.constrain = strategy._constrain_batch  # the strategy's batch_layout, if any
 
     def index_pipeline(self) -> ArrayPipeline:
         """The twin pipeline over row numbers: same batches, as row ids."""
@@ -89,24 +89,44 @@ class Resident:
         return (self.arrays, rows)
 
     def gathering(self, train_step: Callable[..., Any]) -> Callable[..., Any]:
-        """``train_step`` fed the rows that a ``(arrays, row ids)`` batch names."""
-        pipeline, mask_key, constrain = self.pipeline, self.mask_key, self.constrain
+        """``train_step`` fed the rows that a ``(arrays, row ids)`` batch names.
 
-        def step(state: Any, batch: Any) -> Any:
-            arrays, ids = batch
-            leaves = [jnp.take(a, ids[_ROW], axis=0) for a in arrays]
-            mask = None
-            if mask_key is not None:
-                mask = ids[mask_key]
-                real = mask > 0
-                leaves = [
-                    jnp.where(real.reshape(real.shape + (1,) * (x.ndim - 1)), x, 0)
-                    for x in leaves
-                ]
-            return train_step(state, constrain(unflatten(pipeline, leaves, mask)))
+        The same function object for the same strategy, step and batch structure:
+        ``strategy.run`` compiles per function, and a new wrapper per ``fit`` recompiled
+        the step every ``fit`` (~0.3 s for the MLP 512-2048-10 on 8 CPU devices)."""
+        per_strategy = _GATHERING.setdefault(self.strategy, {})
+        key = (train_step, structure(self.pipeline))
+        if key not in per_strategy:
+            per_strategy[key] = _gathering(train_step, key[1], self.strategy._constrain_batch)
+        return per_strategy[key]
 
-        step.__name__ = f"gather_{getattr(train_step, '__name__', 'step')}"
-        return step
+
+# Gathering steps by strategy (weakly: they go with it), then (train_step, structure).
+_GATHERING: weakref.WeakKeyDictionary[Any, dict[Any, Callable[..., Any]]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _gathering(
+    train_step: Callable[..., Any], batches: Structure, constrain: Callable[[Any], Any]
+) -> Callable[..., Any]:
+    mask_key = batches.mask_key
+
+    def step(state: Any, batch: Any) -> Any:
+        arrays, ids = batch
+        leaves = [jnp.take(a, ids[_ROW], axis=0) for a in arrays]
+        mask = None
+        if mask_key is not None:
+            mask = ids[mask_key]
+            real = mask > 0
+            leaves = [
+                jnp.where(real.reshape(real.shape + (1,) * (x.ndim - 1)), x, 0) for x in leaves
+            ]
+        # The strategy's batch_layout, if any, on the gathered rows.
+        return train_step(state, constrain(batches.unflatten(leaves, mask)))
+
+    step.__name__ = f"gather_{getattr(train_step, '__name__', 'step')}"
+    return step
 
 
 @dataclass(frozen=True)
