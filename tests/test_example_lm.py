@@ -249,6 +249,10 @@ def test_model_config_errors():
         LMConfig(dtype="fp8")
     with pytest.raises(ValueError, match=r"LMConfig.n_layers must be a positive int"):
         LMConfig(n_layers=0)
+    with pytest.raises(ValueError, match=r"LMConfig.pipeline_microbatches must be a positive"):
+        LMConfig(pipeline_microbatches=0)
+    with pytest.raises(ValueError, match=r"LMConfig.pipeline_repeats must be a positive int"):
+        LMConfig(pipeline_repeats=0)
     with pytest.raises(ValueError, match=r"at most seq_len=16 tokens; received a sequence of 17"):
         jax.eval_shape(lambda: Transformer(TINY, rngs=nnx.Rngs(0))(jnp.zeros((1, 17), jnp.int32)))
 

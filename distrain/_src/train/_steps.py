@@ -14,7 +14,7 @@
 Example (what ``fit`` does per dispatch):
   >>> steps = Steps(strategy, train_step, k=4, auto=False, donate=True, warn_not_finite=True)
   >>> state = steps.run(state, batches)        # 4 batches -> one dispatch
-  >>> logs = steps.flush()                      # host sync: {"loss": ...}
+  >>> logs = steps.flush(step=4)                # host sync: {"loss": ...}
 """
 
 from __future__ import annotations
@@ -95,6 +95,10 @@ class Steps:
         self._window_steps = 0
         self.epoch_sums: dict[str, Metric] | None = None
         self.dispatched = 0
+
+    def set_k(self, k: int) -> None:
+        """Fixes the steps per dispatch from the next dispatch on (no calibration)."""
+        self.k, self._clock = k, None
 
     # ------------------------------------------------------------- dispatch
     def run(self, state: Any, batches: list[Any]) -> Any:

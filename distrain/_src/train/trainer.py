@@ -201,7 +201,7 @@ class Trainer:
         self._k = positive_int("steps_per_execution", k)
         self._auto_k = False
         if self._steps is not None:  # from a callback during fit: the next dispatch
-            self._steps.k = self._k
+            self._steps.set_k(self._k)
 
     @property
     def input_mode(self) -> str | None:
