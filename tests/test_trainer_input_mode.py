@@ -5,6 +5,9 @@ parameters, checkpointed positions are interchangeable between the modes, and on
 row ids cross to the devices per step.
 """
 
+import gc
+import weakref
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,6 +109,20 @@ def test_a_second_fit_on_device_input_compiles_nothing(mirrored):
     trainer = dt.Trainer(mirrored, train_step, input_mode="device")
     trainer.fit(state, pipe(), steps=2)
     assert trainer.input_mode == "device" and mirrored._compiler.num_programs == programs
+
+
+def test_a_strategy_used_for_device_input_is_freed_with_its_programs():
+    """The cache of gathering steps holds its strategies weakly (a strong reference from
+    a cached step kept every such strategy and its compiled programs alive)."""
+
+    def train_once():
+        s = dt.MirroredStrategy()
+        dt.Trainer(s, train_step, input_mode="device").fit(new_state(), pipe(), steps=2)
+        return weakref.ref(s)
+
+    ref = train_once()
+    gc.collect()
+    assert ref() is None
 
 
 def test_a_checkpoint_resumes_across_modes(mirrored, tmp_path):

@@ -97,7 +97,10 @@ class Resident:
         per_strategy = _GATHERING.setdefault(self.strategy, {})
         key = (train_step, structure(self.pipeline))
         if key not in per_strategy:
-            per_strategy[key] = _gathering(train_step, key[1], self.strategy._constrain_batch)
+            # Weakly: a strong reference from the cached step would keep the strategy
+            # (the cache's key) and its compiled programs alive for good.
+            constrain = weakref.WeakMethod(self.strategy._constrain_batch)
+            per_strategy[key] = _gathering(train_step, key[1], constrain)
         return per_strategy[key]
 
 
@@ -108,7 +111,9 @@ _GATHERING: weakref.WeakKeyDictionary[Any, dict[Any, Callable[..., Any]]] = (
 
 
 def _gathering(
-    train_step: Callable[..., Any], batches: Structure, constrain: Callable[[Any], Any]
+    train_step: Callable[..., Any],
+    batches: Structure,
+    constrain: Callable[[], Callable[[Any], Any] | None],
 ) -> Callable[..., Any]:
     mask_key = batches.mask_key
 
@@ -123,7 +128,9 @@ def _gathering(
                 jnp.where(real.reshape(real.shape + (1,) * (x.ndim - 1)), x, 0) for x in leaves
             ]
         # The strategy's batch_layout, if any, on the gathered rows.
-        return train_step(state, constrain(batches.unflatten(leaves, mask)))
+        layout = constrain()  # traced while its strategy runs it: alive
+        assert layout is not None
+        return train_step(state, layout(batches.unflatten(leaves, mask)))
 
     step.__name__ = f"gather_{getattr(train_step, '__name__', 'step')}"
     return step
