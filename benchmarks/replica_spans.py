@@ -141,7 +141,8 @@ def main(argv: list[str] | None = None) -> int:
                 donate_argnums=0,
             )
             floor_state = jax.tree.map(jnp.copy, state)
-            with _mesh_context(jax, strategy.mesh):  # activation constraints, as inside run
+            # The mesh in context while tracing, so activation constraints apply as in run.
+            with jax.sharding.use_abstract_mesh(strategy.mesh.abstract_mesh):
                 floor = floor.lower(floor_state, placed).compile()
             floor_peak = floor.memory_analysis()
             floor_peak = (
@@ -213,13 +214,6 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
-
-
-def _mesh_context(jax: Any, mesh: Any) -> Any:
-    """``mesh`` as the context mesh while tracing (``jax.set_mesh``; older jax:
-    ``jax.sharding.use_mesh``)."""
-    set_mesh = getattr(jax, "set_mesh", None) or jax.sharding.use_mesh
-    return set_mesh(mesh)
 
 
 if __name__ == "__main__":

@@ -69,9 +69,8 @@ class Resident:
     def index_pipeline(self) -> ArrayPipeline:
         """The twin pipeline over row numbers: same batches, as row ids."""
         p = self.pipeline
-        rows = np.arange(p.num_examples, dtype=np.int32)
-        ids = ArrayPipeline(
-            {_ROW: rows},
+        return ArrayPipeline(
+            {_ROW: np.arange(p.num_examples, dtype=np.int32)},
             global_batch_size=p.global_batch_size,
             seed=p.seed,
             shuffle=p.shuffle,
@@ -82,7 +81,6 @@ class Resident:
             process_index=p.process_index,
             process_count=p.process_count,
         )
-        return ids
 
     def batch(self, rows: Any) -> tuple[Any, Any]:
         """What the step receives per batch: the device arrays and this step's row ids."""

@@ -94,7 +94,7 @@ class Steps:
         self._layout: F.Layout | None = None
         self._window_steps = 0
         self.epoch_sums: dict[str, Metric] | None = None
-        self.dispatched = 0
+        self._first = True
 
     def set_k(self, k: int) -> None:
         """Fixes the steps per dispatch from the next dispatch on (no calibration)."""
@@ -115,9 +115,9 @@ class Steps:
             state, self._acc = self.strategy.run(
                 fn, args=(state, self._acc, *group), donate_argnums=self._donate
             )
-        if self.dispatched == 0:
+        if self._first:
             _warn_if_state_varies(state)
-        self.dispatched += 1
+            self._first = False
         self._window_steps += len(batches)
         return state
 
