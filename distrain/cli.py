@@ -13,8 +13,10 @@ Subcommands:
 Errors: a user error (a bad config, data that cannot be loaded, a bad batch size, an
 exception from your own code) is one ``distrain train: error: ...`` line on stderr,
 exit status 2 for config errors and for the ValueError/TypeError/OSError a check
-raises, 1 for anything else. ``--debug`` (or ``DISTRAIN_DEBUG=1``) shows the full
-traceback instead.
+raises, 1 for anything else. Ctrl-C is one ``distrain train: interrupted ...`` line
+saying what was saved and how to continue (exit status 130); a SIGTERM that
+``BackupAndRestore`` saves on exits 143 after one line saying so. ``--debug`` (or
+``DISTRAIN_DEBUG=1``) shows the full traceback instead.
 
 Example:
   $ distrain train --config configs/quickstart.yaml train.epochs=5
@@ -138,6 +140,12 @@ def run_reporting_errors(command: str, fn: Any, debug: bool | None = None) -> in
         debug = os.environ.get("DISTRAIN_DEBUG", "").strip() not in ("", "0")
     try:
         return int(fn() or 0)
+    except KeyboardInterrupt as e:
+        if debug:
+            raise
+        # Ctrl-C is the user's choice, not an error to trace: say what is kept.
+        print(f"distrain {command}: {str(e) or 'interrupted'}", file=sys.stderr)
+        return 130
     except Exception as e:
         if debug:
             raise

@@ -38,7 +38,8 @@ class LoopState:
     The Trainer alone writes it. A callback changes the loop only through the
     Trainer's explicit means: ``trainer.stop_training = True`` (stop after the current
     dispatch), ``trainer.state = ...`` (e.g. ``EarlyStopping``'s best weights) and
-    ``trainer.resume(...)`` (continue from a checkpoint, in ``on_train_begin``).
+    ``trainer.resume(...)`` (continue from a checkpoint, in ``on_train_begin`` of a callback
+    with ``restores_progress = True``).
 
     Attributes:
       epoch: the current epoch (0-based).

@@ -31,7 +31,7 @@ from distrain._src.train.config_errors import ConfigError
 if TYPE_CHECKING:
     from distrain._src.strategy.base import Strategy
 
-__all__ = ["RunResult", "build_strategy", "resolve_callable", "run_config"]
+__all__ = ["RunInterrupted", "RunResult", "build_strategy", "resolve_callable", "run_config"]
 
 
 @dataclasses.dataclass
@@ -42,6 +42,33 @@ class RunResult:
     history: Any
     test_metrics: dict[str, float] | None
     seconds: float
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """Ctrl-C stopped ``run_config``'s ``fit``; the message says what was saved and how to
+    continue (what ``distrain train`` prints instead of a traceback)."""
+
+
+def _interrupted(trainer: Any) -> str:
+    from distrain._src.train.callbacks.checkpointing import BackupAndRestore
+
+    where = f"interrupted at step {trainer.loop.global_step}"
+    backups = [cb for cb in trainer.callbacks if isinstance(cb, BackupAndRestore)]
+    if not backups:
+        return (
+            f"{where}; nothing was saved (no checkpoint.backup_dir), so running the command "
+            "again starts over"
+        )
+    backup = backups[0]
+    if backup.newest_backup is None:
+        return (
+            f"{where}, before the first backup in {backup.directory}; running the same "
+            "command again starts over"
+        )
+    return (
+        f"{where}; the newest backup is step {backup.newest_backup} in {backup.directory}: "
+        "run the same command to continue from it"
+    )
 
 
 def resolve_callable(path: str, field: str) -> Callable[..., Any]:
@@ -420,14 +447,17 @@ def run_config(
         log_every=cfg.train.log_every,
         grad_accum_steps=cfg.train.grad_accum_steps,
     )
-    state, history = trainer.fit(
-        state,
-        data["train"],
-        epochs=cfg.train.epochs,
-        steps=cfg.train.steps,
-        validation_data=data[val_name] if (val_name and eval_step) else None,
-        validation_freq=cfg.train.validation_freq,
-    )
+    try:
+        state, history = trainer.fit(
+            state,
+            data["train"],
+            epochs=cfg.train.epochs,
+            steps=cfg.train.steps,
+            validation_data=data[val_name] if (val_name and eval_step) else None,
+            validation_freq=cfg.train.validation_freq,
+        )
+    except KeyboardInterrupt:
+        raise RunInterrupted(_interrupted(trainer)) from None
     test_metrics = None
     if eval_step is not None and "test" in data:
         test_metrics = trainer.evaluate(state, data["test"])
@@ -436,5 +466,9 @@ def run_config(
         if "accuracy" in test_metrics:
             say(f"test accuracy: {100 * test_metrics['accuracy']:.2f}%")
     seconds = time.perf_counter() - start
-    say(f"time: {seconds:.1f} s ({trainer.loop.global_step} steps)")
+    loop = trainer.loop
+    ran = f"{loop.global_step - loop.initial_step} steps"
+    if loop.initial_step:
+        ran += f", resumed at step {loop.initial_step}, now at {loop.global_step}"
+    say(f"time: {seconds:.1f} s ({ran})")
     return RunResult(state, history, test_metrics, seconds)

@@ -30,6 +30,7 @@ positions. This module is the loop: epochs, callbacks, validation, resume.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -246,6 +247,18 @@ class Trainer:
         """
         if not self.loop.in_fit or self._passes is None or self._cbs is None:
             raise RuntimeError("`Trainer.resume` can only be called during fit (on_train_begin).")
+        if not self._cbs.accepts_resume:
+            # Deprecated for a release, then an error: the callbacks that began before
+            # this one saw step 0 (a logger among them overwrote the resumed run's logs).
+            warnings.warn(
+                "`Trainer.resume` was called outside the on_train_begin of a callback that "
+                "sets `restores_progress = True`; this will be an error in the next release. "
+                "Set that class attribute on the callback that resumes: its on_train_begin "
+                "then runs before the others', so loggers see the resumed step instead of "
+                "overwriting the logs of the run being resumed.",
+                DeprecationWarning,
+                stacklevel=2,
+            )
         self.state = state
         self.loop.epoch = self.loop.initial_epoch = int(progress["epoch"])
         self.loop.global_step = self.loop.initial_step = int(progress["global_step"])

@@ -1,6 +1,10 @@
 """The callback interface of ``Trainer.fit``, the step-info record and ``LambdaCallback``.
 
-Hooks are called on every process, in the order the callbacks were given. Callbacks
+Hooks are called on every process, in the order the callbacks were given, with one
+exception: ``on_train_begin`` runs first on the callbacks that resume the run
+(``restores_progress = True``, e.g. ``BackupAndRestore``), so every other callback sees
+the resumed position (``trainer.loop.initial_step``) whatever the list's order; a logger
+listed before ``BackupAndRestore`` keeps the killed run's lines. Callbacks
 that only write files for people (progress bar, TensorBoard, CSV/JSON logs) act on
 the chief alone; checkpoint callbacks act on every process because saving is a
 collective operation with several processes.
@@ -12,7 +16,8 @@ During ``fit`` a callback reads where the loop is in ``self.trainer.loop``, a
 donate it). The loop record is the Trainer's to write; what a callback may change is
 explicit: ``trainer.stop_training = True`` stops ``fit`` after the current dispatch,
 ``trainer.state = ...`` replaces the state (``EarlyStopping``'s best weights), and
-``trainer.resume(...)`` continues from a checkpoint (in ``on_train_begin``).
+``trainer.resume(...)`` continues from a checkpoint (in ``on_train_begin`` of a
+callback that sets ``restores_progress = True``).
 
 A callback can keep a small JSON-compatible state across a resume (e.g. an experiment
 tracker's run id): what its ``state_dict`` returns is saved with the Trainer's progress
@@ -65,6 +70,9 @@ class Callback:
     """Base class: override the hooks you need; all default to doing nothing."""
 
     trainer: Trainer | None = None
+    #: True for a callback whose ``on_train_begin`` may call ``trainer.resume``: it runs
+    #: before every other callback's ``on_train_begin``.
+    restores_progress: bool = False
 
     @property
     def step_interval(self) -> int | None:
@@ -148,9 +156,23 @@ class CallbackList:
         # Only the callbacks that override a hook are called for it: the training loop
         # calls on_train_batch_end after every dispatch, and builds its StepInfo only
         # when someone listens.
+        # Resuming callbacks begin first (a stable sort): the others' on_train_begin must
+        # see where the run continues, or a logger that saw step 0 would truncate the
+        # killed run's lines.
+        begin_order = sorted(callbacks, key=lambda cb: not cb.restores_progress)
         self._by_hook = {
-            h: [getattr(cb, h) for cb in callbacks if _overrides(cb, h)] for h in _HOOKS
+            h: [
+                getattr(cb, h)
+                for cb in (begin_order if h == "on_train_begin" else callbacks)
+                if _overrides(cb, h)
+            ]
+            for h in _HOOKS
         }
+        self._resumers = sum(
+            cb.restores_progress and _overrides(cb, "on_train_begin") for cb in callbacks
+        )
+        #: Whether the callback running now may call ``trainer.resume``.
+        self.accepts_resume = False
 
     def listens(self, hook: str) -> bool:
         """Whether any callback overrides ``hook``."""
@@ -160,8 +182,10 @@ class CallbackList:
         return iter(self.callbacks)
 
     def call(self, hook: str, *args: Any) -> None:
-        for method in self._by_hook[hook]:
+        for i, method in enumerate(self._by_hook[hook]):
+            self.accepts_resume = hook == "on_train_begin" and i < self._resumers
             method(*args)
+        self.accepts_resume = False
 
     def check_state_keys(self) -> None:
         """Callbacks that save a state with checkpoints need distinct ``state_key``s: two

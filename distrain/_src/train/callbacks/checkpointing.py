@@ -251,6 +251,9 @@ class BackupAndRestore(_Saver):
     the run continues with the next batch and ends with bit-identical parameters (on
     the same devices; see ``docs/fault_tolerance.md``).
 
+    Its ``on_train_begin`` runs before every other callback's (``restores_progress``), so
+    loggers anywhere in the list see the resumed step and keep the killed run's lines.
+
     On SIGTERM (preemption) it finishes the current step, saves, and exits with
     ``dt.checkpoint.PREEMPTION_EXIT_CODE`` (143); run the same command to continue. If the
     state holds NaN or infinity then, nothing is saved and ``fit`` raises
@@ -271,12 +274,16 @@ class BackupAndRestore(_Saver):
         deletes the backups: the newest is the last good state.
       async_save: write in the background.
       handle_preemption: install the SIGTERM handler (main thread only).
+      verbose: print one line (chief only) when ``fit`` resumes from a backup and when a
+        SIGTERM stops it, saying which step and where.
 
     Raises:
       ValueError: bad ``save_freq``; at ``fit`` start, a backup from a different model
         (the message names the first mismatching leaf and both shapes).
       OSError: at ``fit`` start, if ``backup_dir`` cannot be written.
     """
+
+    restores_progress = True
 
     def __init__(
         self,
@@ -287,17 +294,19 @@ class BackupAndRestore(_Saver):
         delete_checkpoint: bool = True,
         async_save: bool = True,
         handle_preemption: bool = True,
+        verbose: bool = True,
     ) -> None:
         super().__init__(backup_dir, save_freq, max_to_keep, async_save)
         self.delete_checkpoint = delete_checkpoint
         self.handle_preemption = handle_preemption
+        self.verbose = verbose
         self.restored_step: int | None = None
         self._preemption: Any = None
         self._calls = 0
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._open()
-        self.restored_step = None
+        self.restored_step = self.last_saved_step = None
         self._calls = 0
         t = self._fit_trainer
         restored = self.manager.restore(target=t.state)
@@ -311,6 +320,11 @@ class BackupAndRestore(_Saver):
                 )
             t.resume(restored.state, progress, restored.data_state)
             self.restored_step = restored.step
+            loop = t.loop
+            self._say(
+                f"BackupAndRestore: resumed from the backup of step {loop.global_step} "
+                f"(epoch {loop.epoch + 1}, {loop.step_in_epoch} steps into it) in {self.directory}"
+            )
         if self.handle_preemption and threading.current_thread() is threading.main_thread():
             from distrain._src.checkpoint.preemption import PreemptionHandler
 
@@ -332,6 +346,11 @@ class BackupAndRestore(_Saver):
                     f"in {self.directory} is step {latest}, the last good state. Fix the cause "
                     "(e.g. lower the learning rate) before resuming from it."
                 )
+            self._say(
+                f"BackupAndRestore: stopped by SIGTERM after step {latest}, saved in "
+                f"{self.directory}; exit status {self._preemption.exit_code}: run the same "
+                "command to continue from it"
+            )
             self._close_preemption(exit_after=True)
         if self._crossed(info):
             self._save()
@@ -365,6 +384,15 @@ class BackupAndRestore(_Saver):
     def on_train_abort(self, error: BaseException) -> None:
         super().on_train_abort(error)
         self._close_preemption()
+
+    @property
+    def newest_backup(self) -> int | None:
+        """The newest backup this ``fit`` wrote or resumed from (None: none yet)."""
+        return self.last_saved_step if self.last_saved_step is not None else self.restored_step
+
+    def _say(self, line: str) -> None:
+        if self.verbose and (self.trainer is None or self.trainer.is_chief):
+            print(line, flush=True)
 
     def _close_preemption(self, exit_after: bool = False) -> None:
         handler, self._preemption = self._preemption, None

@@ -15,10 +15,14 @@ from __future__ import annotations
 import csv
 import json
 import math
+import numbers
 import os
 import sys
+import time
 from collections.abc import Mapping
 from typing import IO, Any
+
+import numpy as np
 
 from distrain._src.train.callbacks.base import Callback, Logs, StepInfo, ensure_writable_dir
 
@@ -44,52 +48,98 @@ def _fmt(v: Any) -> str:
 
 
 def _json_safe(logs: Mapping[str, Any]) -> dict[str, Any]:
-    out = {}
+    """Integers stay integers (``"step": 50``), other numbers become floats, and
+    non-finite floats ``None`` (JSON has no NaN)."""
+    out: dict[str, Any] = {}
     for k, v in logs.items():
-        try:
-            f = float(v)
-            out[k] = None if math.isnan(f) or math.isinf(f) else f
-        except (TypeError, ValueError):
+        if isinstance(v, bool) or v is None or isinstance(v, str):
             out[k] = v
+        elif isinstance(v, numbers.Integral) or (
+            getattr(v, "ndim", None) == 0 and np.issubdtype(getattr(v, "dtype", float), np.integer)
+        ):
+            out[k] = int(v)
+        else:
+            try:
+                f = float(v)
+                out[k] = None if math.isnan(f) or math.isinf(f) else f
+            except (TypeError, ValueError):
+                out[k] = v
     return out
+
+
+def _before_resume(record: Mapping[str, Any], step: int, epoch: int) -> bool:
+    """Whether a logged record belongs to the run up to a resume at ``step``/``epoch``.
+
+    Step events at or before the resumed step stay; an epoch's event stays if that epoch
+    was finished when the backup was made; the rest are redone by the resumed run.
+    """
+    event = record.get("event")
+    if event == "step":
+        return isinstance(record.get("step"), (int, float)) and record["step"] <= step
+    if event == "epoch":
+        return isinstance(record.get("epoch"), (int, float)) and record["epoch"] < epoch
+    return True  # e.g. an evaluate() outside fit: not part of the training timeline
 
 
 class ProgressBar(Callback):
     """A tqdm bar per epoch: steps, steps/s, ETA (when the epoch length is known), metrics.
 
     Metrics are refreshed when the Trainer syncs with the host (every ``log_every``
-    steps), so the bar itself never adds a device sync.
+    steps), so the bar itself never adds a device sync. On a stream that is not a
+    terminal (a log file, a pipe, a launcher's prefixed output) a bar's redraws would
+    pile up, so it writes one line per epoch instead:
+    ``epoch 2/5: 100/100 steps, 41.2 step/s, 2.4 s, loss=0.1234 val_loss=0.2345``.
 
     Args:
       file: stream to draw on (default ``sys.stderr``).
       leave: keep each epoch's finished bar on screen.
+      redraw: draw a live bar (True) or one line per epoch (False); default: a bar only
+        when ``file`` is a terminal.
     """
 
-    def __init__(self, file: IO[str] | None = None, *, leave: bool = True) -> None:
+    def __init__(
+        self, file: IO[str] | None = None, *, leave: bool = True, redraw: bool | None = None
+    ) -> None:
         self.file = file
         self.leave = leave
+        self.redraw = redraw
         self._bar: Any = None
+        self._line: dict[str, Any] | None = None  # the epoch's line when not redrawing
+
+    def _stream(self) -> IO[str]:
+        return self.file or sys.stderr
 
     def on_epoch_begin(self, epoch: int, logs: Logs | None = None) -> None:
         if not _chief(self):
             return
-        from tqdm.auto import tqdm
-
         t = self.trainer
         total = t.loop.steps_per_epoch if t is not None else None
         epochs = t.loop.epochs if t is not None else None
         desc = f"epoch {epoch + 1}" + (f"/{epochs}" if epochs else "")
+        initial = t.loop.step_in_epoch if t is not None else 0
+        redraw = self.redraw
+        if redraw is None:
+            isatty = getattr(self._stream(), "isatty", None)
+            redraw = bool(isatty and isatty())
+        if not redraw:
+            self._line = {"desc": desc, "total": total, "steps": initial, "start": time.monotonic()}
+            return
+        from tqdm.auto import tqdm
+
         self._bar = tqdm(
             total=total,
-            initial=t.loop.step_in_epoch if t is not None else 0,
+            initial=initial,
             desc=desc,
             unit="step",
-            file=self.file or sys.stderr,
+            file=self._stream(),
             leave=self.leave,
             dynamic_ncols=True,
         )
 
     def on_train_batch_end(self, info: StepInfo) -> None:
+        if self._line is not None:
+            self._line["steps"] += info.num_steps
+            self._line["ran"] = self._line.get("ran", 0) + info.num_steps
         if self._bar is None:
             return
         self._bar.update(info.num_steps)
@@ -97,6 +147,16 @@ class ProgressBar(Callback):
             self._bar.set_postfix_str(format_logs(info.logs), refresh=False)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
+        if self._line is not None:
+            line, self._line = self._line, None
+            seconds = time.monotonic() - line["start"]
+            rate = line.get("ran", 0) / seconds if seconds > 0 else 0.0
+            total = f"/{line['total']}" if line["total"] else ""
+            text = f"{line['desc']}: {line['steps']}{total} steps, {rate:.1f} step/s"
+            text += f", {seconds:.1f} s"
+            if logs:
+                text += ", " + format_logs(logs)
+            print(text, file=self._stream(), flush=True)
         if self._bar is None:
             return
         if logs:
@@ -105,6 +165,7 @@ class ProgressBar(Callback):
         self._bar = None
 
     def on_train_abort(self, error: BaseException) -> None:
+        self._line = None
         if self._bar is not None:
             self._bar.close()
             self._bar = None
@@ -138,8 +199,10 @@ class TensorBoard(Callback):
         ensure_writable_dir(self.log_dir, "TensorBoard log")
         from tensorboardX import SummaryWriter
 
-        # A resumed run writes to the same directory; TensorBoard merges event files.
-        self._writer = SummaryWriter(self.log_dir, flush_secs=self.flush_secs)
+        # A resumed run writes to the same directory; TensorBoard merges event files and,
+        # with purge_step, hides the killed run's events after the resumed step.
+        purge = self._fit_trainer.loop.initial_step + 1 if _resumed(self) else None
+        self._writer = SummaryWriter(self.log_dir, flush_secs=self.flush_secs, purge_step=purge)
 
     def on_train_batch_end(self, info: StepInfo) -> None:
         if self._writer is None or not info.logs:
@@ -246,8 +309,33 @@ class JSONLinesLogger(Callback):
         if not _chief(self):
             return
         ensure_writable_dir(os.path.dirname(os.path.abspath(self.filename)), "JSONLinesLogger")
+        if _resumed(self) and os.path.exists(self.filename):
+            loop = self._fit_trainer.loop
+            self._keep_until(loop.initial_step, loop.initial_epoch)
         mode = "a" if self.append or _resumed(self) else "w"
         self._file = open(self.filename, mode)  # noqa: SIM115 - closed in on_train_end/abort
+
+    def _keep_until(self, step: int, epoch: int) -> None:
+        """Drops the lines the killed run wrote after the step ``fit`` resumes from (the
+        resumed run writes them again) and a torn last line; keeps every other line as
+        it was. The file is replaced atomically."""
+        with open(self.filename) as f:
+            lines = f.read().splitlines(keepends=True)
+        kept = []
+        for i, line in enumerate(lines):
+            try:
+                record = json.loads(line)
+            except ValueError:
+                if i == len(lines) - 1:
+                    continue  # torn by the kill mid-write
+                kept.append(line)  # not ours to judge: keep it
+                continue
+            if not isinstance(record, dict) or _before_resume(record, step, epoch):
+                kept.append(line if line.endswith("\n") else line + "\n")
+        tmp = self.filename + ".tmp"
+        with open(tmp, "w") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.filename)
 
     def _write(self, record: dict[str, Any]) -> None:
         if self._file is None:
