@@ -1,8 +1,10 @@
 """Cluster resolvers, CommunicationOptions and the coordinator probes (no JAX cluster needed)."""
 
 import json
+import re
 import socket
 
+import psutil
 import pytest
 
 from distrain import (
@@ -16,7 +18,11 @@ from distrain import (
 )
 from distrain._src.cluster.base import parse_address
 from distrain._src.cluster.launch import free_port
-from distrain._src.cluster.runtime import check_port_free, wait_for_coordinator
+from distrain._src.cluster.runtime import (
+    check_port_free,
+    coordinator_bind_address,
+    wait_for_coordinator,
+)
 
 
 def tf_config(cluster, task_type, index):
@@ -427,3 +433,48 @@ def test_check_port_free_rejects_a_port_in_use():
         with pytest.raises(OSError, match=rf"port {port} .* is already in use"):
             check_port_free(f"127.0.0.1:{port}")
     check_port_free(f"127.0.0.1:{port}")  # released: fine now
+
+
+@pytest.mark.parametrize(
+    "address, environ, expected",
+    [
+        ("127.0.0.1:8476", {}, "127.0.0.1:8476"),  # distrain launch: loopback only
+        ("127.0.0.2:8476", {}, "127.0.0.2:8476"),
+        ("[::1]:8476", {}, "[::1]:8476"),
+        ("localhost:8476", {}, "localhost:8476"),
+        ("10.0.0.1:8476", {}, "[::]:8476"),  # other machines connect: JAX's default
+        ("host0:8476", {}, "[::]:8476"),  # may resolve to 127.0.1.1 here: not narrowed
+        # JAX's own variable wins, even with another port (a forwarded one).
+        ("127.0.0.1:8476", {"JAX_COORDINATOR_BIND_ADDRESS": "0.0.0.0:9000"}, "0.0.0.0:9000"),
+        ("10.0.0.1:8476", {"JAX_COORDINATOR_BIND_ADDRESS": "10.0.0.1:8476"}, "10.0.0.1:8476"),
+    ],
+)
+def test_coordinator_bind_address(address, environ, expected):
+    assert coordinator_bind_address(address, environ) == expected
+
+
+def test_coordinator_bind_address_rejects_a_malformed_variable():
+    with pytest.raises(ValueError, match=r"JAX_COORDINATOR_BIND_ADDRESS must be a 'host:port'"):
+        coordinator_bind_address("10.0.0.1:8476", {"JAX_COORDINATOR_BIND_ADDRESS": "10.0.0.1"})
+
+
+def test_check_port_free_on_a_loopback_bind_address():
+    with socket.socket() as s:  # a live listener on 127.0.0.1 only
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(OSError, match=rf"port {port} .* is already in use"):
+            check_port_free(f"127.0.0.1:{port}", f"127.0.0.1:{port}")
+    check_port_free(f"127.0.0.1:{port}", f"127.0.0.1:{port}")  # released: fine now
+
+
+def test_check_port_free_names_a_bind_address_this_machine_cannot_use():
+    port = free_port()
+    # An address reserved for documentation (RFC 5737) that no interface here has.
+    mine = {a.address for addrs in psutil.net_if_addrs().values() for a in addrs}
+    foreign = next(ip for ip in ("192.0.2.1", "198.51.100.1", "203.0.113.1") if ip not in mine)
+    match = rf"coordinator on {re.escape(foreign)}:\d+, but cannot listen"
+    with pytest.raises(OSError, match=match):
+        check_port_free(f"10.0.0.1:{port}", f"{foreign}:{port}")
+    with pytest.raises(OSError, match=r"'no-such-host\.invalid' does not resolve"):
+        check_port_free(f"10.0.0.1:{port}", f"no-such-host.invalid:{port}")

@@ -1,12 +1,16 @@
 """`distrain launch`: environment, output prefixes, stopping, restarting, exit codes.
 
-The quick tests launch small Python programs (no JAX); the last one trains with
-MultiWorkerMirroredStrategy, SIGKILLs one worker mid-run, and checks that the
-restarted job resumes from its dt.checkpoint.CheckpointManager checkpoint and ends with the
-parameters of an uninterrupted run.
+The quick tests launch small Python programs (no JAX). The slow ones train with
+MultiWorkerMirroredStrategy: one SIGKILLs a worker mid-run, another SIGTERMs one (a
+preemption: both save and exit 143, restarted without using a restart), and both check
+that the restarted job resumes from its dt.checkpoint.CheckpointManager checkpoint and
+ends with the parameters of an uninterrupted run; one checks on which address process
+0's coordinator service listens.
 """
 
 import importlib.util
+import ipaddress
+import json
 import os
 import re
 import signal
@@ -249,10 +253,56 @@ def test_killed_worker_is_restarted_and_resumes_from_its_checkpoint(tmp_path, de
             np.testing.assert_allclose(got[name], ref[name], rtol=1e-6, atol=1e-7)
 
 
+def test_a_preempted_worker_saves_and_restarts_without_using_a_restart(tmp_path, devices):
+    # Process 1 gets SIGTERM after step 2 on the first attempt (not through the launcher):
+    # both processes save step 2 and exit 143, and the launcher starts them again although
+    # --max-restarts is 0. The job ends as an uninterrupted one would.
+    cmd = [PY, "-m", "distrain._src.cluster.launch", "--nproc", "2", "--devices-per-proc", "1"]
+    cmd += ["--max-restarts", "0", "--grace-period", "30", "--timeout", "20", "--"]
+    cmd += [PY, TRAIN, "--out", str(tmp_path / "out"), "--ckpt", str(tmp_path / "ckpt")]
+    cmd += ["--ckpt-impl", "distrain", "--term-at", "2", "--steps", "4"]
+    proc = subprocess.Popen(
+        cmd,
+        env=_train_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    try:
+        out, _ = proc.communicate(timeout=150)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log = out.decode(errors="replace")
+    assert proc.returncode == 0, log
+    assert "[1] sending myself SIGTERM at step 2" in log
+    assert "[0] preempted: saved step 2" in log and "[1] preempted: saved step 2" in log
+    assert (
+        "[launch] preempted: process(es) 0, 1 saved after SIGTERM and exited with status 143" in log
+    )
+    assert "[launch] restarting all processes after the preemption (1 of 10" in log
+    assert "[0] resumed from step 2" in log and "[1] resumed from step 2" in log
+    assert "stopping the other processes" not in log, log
+    ref = _uninterrupted_reference(devices, steps=4)
+    for pid in (0, 1):
+        got = np.load(tmp_path / "out" / f"result_{pid}.npz")
+        assert int(got["start"]) == 2 and int(got["step"]) == 4
+        np.testing.assert_allclose(got["losses"], ref["losses"][2:], rtol=1e-6)
+        for name in ("w1", "b1", "w2", "b2"):
+            np.testing.assert_allclose(got[name], ref[name], rtol=1e-6, atol=1e-7)
+
+
 @pytest.mark.parametrize(
     "program, status, match",
     [
-        ("no-such-program-distrain", 127, r"cannot start 'no-such-program-distrain': not found"),
+        (
+            "no-such-program-distrain",
+            127,
+            r"cannot start 'no-such-program-distrain': not found on PATH or in \S+ \(next to "
+            r"this launcher's Python\)\..*`source \.venv/bin/activate`",
+        ),
+        ("./missing.sh", 127, r"cannot start '\./missing\.sh': no such file\..*check the path"),
         ("./not-executable.sh", 126, r"cannot start '\./not-executable\.sh': not executable"),
         ("./garbage.bin", 126, r"cannot start '\./garbage\.bin': Exec format error"),
     ],
@@ -272,6 +322,172 @@ def test_a_command_that_cannot_start_is_one_error_and_no_restart(
     # One error, no restart loop, no traceback; usually caught before anything starts.
     assert "Traceback" not in err and "restarting" not in err
     assert err.count("starting 2 processes") <= 1
+
+
+def test_a_program_not_on_path_runs_from_the_launchers_own_bin_dir(tmp_path):
+    # `.venv/bin/distrain launch -- distrain train ...` without the venv activated: the
+    # program is not on PATH but next to the launcher's interpreter, and runs from there.
+    name = os.path.basename(PY)  # e.g. "python": always next to the interpreter
+    env = {**os.environ, "PATH": str(tmp_path)}  # an empty directory: nothing on PATH
+    cmd = [PY, "-m", "distrain._src.cluster.launch", "--nproc", "2", "--", name, "-c"]
+    cmd += ["import sys; print(sys.executable)"]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    own = os.path.join(os.path.dirname(os.path.abspath(PY)), name)
+    assert sorted(done.stdout.splitlines()) == [f"[0] {own}", f"[1] {own}"]
+    note = f"[launch] {name!r} is not on PATH; running {own} (next to this launcher's Python)"
+    assert done.stderr.splitlines().count(note) == 1, done.stderr
+
+
+# A process that "saves after SIGTERM" exits 143 (dt.checkpoint.PREEMPTION_EXIT_CODE).
+PREEMPTED = (
+    "import os, sys, time\n"
+    "pid, attempt = os.environ['DISTRAIN_PROCESS_ID'], os.environ['DISTRAIN_RESTART_COUNT']\n"
+    "if int(attempt) >= {until}: sys.exit(0)\n"
+    "if pid == '0':\n"
+    "    time.sleep({slow})  # still writing its part of the checkpoint\n"
+    "    open(os.path.join({dir!r}, 'saved-' + attempt), 'w').close()\n"
+    "    sys.exit({code0})\n"
+    "sys.exit(143)"
+)
+
+
+def test_a_preemption_restarts_without_using_a_restart(capfd, tmp_path):
+    # Attempts 0 and 1 are preempted: process 1 exits 143 first, process 0 a moment
+    # later, once it saved. It must not be killed before that, and neither preemption
+    # uses one of the (zero) --max-restarts.
+    code = PREEMPTED.format(until=2, slow=0.5, dir=str(tmp_path), code0=143)
+    argv = ["--nproc", "2", "--max-restarts", "0", "--grace-period", "20"]
+    assert launch.main(argv + py(code)) == 0
+    err = capfd.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["saved-0", "saved-1"]
+    assert err.count("[launch] starting 2 processes") == 3
+    assert "[launch] process 1 was preempted (exit status 143: it saved after SIGTERM)" in err
+    assert (
+        "[launch] preempted: process(es) 0, 1 saved after SIGTERM and exited with status 143" in err
+    )
+    assert "restarting all processes after the preemption (2 of 10 --max-preemptions; " in err
+    assert "--max-restarts used: 0 of 0)" in err
+    assert "(attempt 3 of 3)" in err
+    assert "stopping the other processes" not in err and "giving up" not in err
+
+
+def test_preemption_restarts_are_bounded(capfd, tmp_path):
+    # Every attempt is preempted: the launcher still ends, with 143.
+    code = PREEMPTED.format(until=99, slow=0, dir=str(tmp_path), code0=143)
+    argv = ["--nproc", "2", "--max-restarts", "3", "--max-preemptions", "2"]
+    assert launch.main(argv + py(code)) == 143
+    err = capfd.readouterr().err
+    assert err.count("[launch] starting 2 processes") == 3
+    assert (
+        "giving up after 2 restart(s) after preemptions (--max-preemptions 2); exit status "
+        "143: the processes saved, run the same command to continue"
+    ) in err
+    assert "restarting all processes (" not in err  # no failure restart was used
+
+
+@pytest.mark.parametrize(
+    "slow, code0, status, match",
+    [
+        # Process 0 fails while process 1 exits 143: a failure.
+        (0.3, 1, 1, r"process 0 exited with status 1 \(a failure, not a preemption\)"),
+        # Process 0 does not exit within the grace period: killed, a failure.
+        (60, 143, 137, r"process 0 did not exit within 1 s of process 1's preemption exit; "),
+    ],
+)
+def test_a_preemption_with_a_failing_or_stuck_process_is_a_failure(
+    capfd, tmp_path, slow, code0, status, match
+):
+    code = PREEMPTED.format(until=99, slow=slow, dir=str(tmp_path), code0=code0)
+    start = time.monotonic()
+    argv = ["--nproc", "2", "--grace-period", "1", "--max-preemptions", "5"]
+    assert launch.main(argv + py(code)) == status
+    assert time.monotonic() - start < 20
+    err = capfd.readouterr().err
+    assert re.search(match, err), err
+    assert f"giving up after 1 attempt(s); exit status {status}" in err
+    assert err.count("[launch] starting 2 processes") == 1
+
+
+def test_sigterm_to_the_launcher_whose_processes_save_exits_143_and_restarts_nothing(tmp_path):
+    # The processes save on SIGTERM and exit 143; the launcher was told to stop, so this
+    # preemption restarts nothing (else stopping a job would restart it forever).
+    code = (
+        "import os, signal, sys, time\n"
+        "signal.signal(signal.SIGTERM, lambda *a: sys.exit(143))\n"
+        f"open(os.path.join({str(tmp_path)!r}, os.environ['DISTRAIN_PROCESS_ID']), 'w')"
+        ".write(str(os.getpid()))\n"
+        "time.sleep(60)"
+    )
+    argv = [PY, "-m", "distrain._src.cluster.launch", "--nproc", "2", "--grace-period", "10"]
+    argv += ["--max-preemptions", "5"]
+    proc = subprocess.Popen(
+        argv + py(code), start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while len(list(tmp_path.iterdir())) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=20)
+        assert proc.returncode == 143, err
+        err_text = err.decode()
+        assert err_text.count("[launch] starting 2 processes") == 1
+        assert (
+            "[launch] interrupted; every process saved after SIGTERM and exited with status "
+            "143: run the same command to continue"
+        ) in err_text
+        _assert_all_gone(tmp_path)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+LISTENING = (
+    "import json, os, psutil\n"
+    "import distrain as dt\n"
+    "dt.MultiWorkerMirroredStrategy()\n"
+    "port = int(os.environ['DISTRAIN_COORDINATOR_ADDRESS'].rsplit(':', 1)[1])\n"
+    "mine = psutil.Process().net_connections(kind='tcp')\n"
+    "ips = sorted(c.laddr.ip for c in mine if c.status == 'LISTEN' and c.laddr.port == port)\n"
+    "print('LISTENING', json.dumps(ips), flush=True)\n"
+)
+
+
+def _unmapped(ip: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address:
+    """``::ffff:127.0.0.1`` (an IPv6 socket bound to an IPv4 address) as ``127.0.0.1``."""
+    address = ipaddress.ip_address(ip)
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped if mapped is not None else address
+
+
+def test_the_coordinator_listens_on_loopback_only():
+    # JAX's coordinator service binds every interface ([::]:port) unless told otherwise;
+    # under `distrain launch` nothing off this machine needs to reach it.
+    cmd = [PY, "-m", "distrain._src.cluster.launch", "--nproc", "2", "--devices-per-proc", "1"]
+    cmd += ["--timeout", "60"] + py(LISTENING)
+    env = _train_env()
+    env.pop("JAX_COORDINATOR_BIND_ADDRESS", None)
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+    try:
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log = out.decode(errors="replace")
+    assert proc.returncode == 0, log
+    listening = {
+        int(m.group(1)): json.loads(m.group(2))
+        for m in re.finditer(r"^\[(\d)\] LISTENING (.*)$", log, re.M)
+    }
+    # Process 0 hosts the coordinator service (gRPC may bind it as ::ffff:127.0.0.1);
+    # process 1 only connects to it. Before: ["::"], every interface.
+    assert [str(_unmapped(ip)) for ip in listening[0]] == ["127.0.0.1"], log
+    assert listening[1] == [], log
 
 
 def test_a_worker_error_is_restarted_within_seconds(tmp_path):

@@ -6,10 +6,12 @@ processes: one is killed with ``ray.kill``, one crashes (``os._exit``) in the
 middle of pushing its gradient, and a parameter-server actor is killed.
 """
 
+import ipaddress
 import sys
 
 import jax
 import numpy as np
+import psutil
 import pytest
 import ray
 import test_ps as common
@@ -55,6 +57,19 @@ def make(local_ray):
 def test_local_ray_listens_on_loopback_only(local_ray):
     assert ray.get_runtime_context().gcs_address.startswith("127.0.0.1:")
     assert ray.util.get_node_ip_address() == "127.0.0.1"
+    # Every socket that Ray's processes (all started from this one) listen on.
+    listening = []
+    for proc in [psutil.Process(), *psutil.Process().children(recursive=True)]:
+        try:
+            conns, name = proc.net_connections(kind="inet"), proc.name()
+        except psutil.NoSuchProcess:
+            continue
+        listening += [(name, c.laddr.ip) for c in conns if c.status == psutil.CONN_LISTEN]
+    assert {"gcs_server", "raylet"} <= {name for name, _ in listening}, listening
+    for name, ip in listening:
+        address = ipaddress.ip_address(ip)
+        address = getattr(address, "ipv4_mapped", None) or address  # ::ffff:127.0.0.1
+        assert address.is_loopback, (name, ip, listening)
 
 
 def test_async_training_on_ray_converges_through_worker_crashes(make, digits):

@@ -14,6 +14,9 @@ parameters to --out/result_<process id>.npz.
 --kill-at S:    on the first attempt (DISTRAIN_RESTART_COUNT=0), process --kill-process
                 SIGKILLs itself just before step S's checkpoint is written.
 --die-at S:     process --kill-process SIGKILLs itself after step S on every attempt.
+--term-at S:    on the first attempt, process --kill-process sends itself SIGTERM after
+                step S; with --ckpt-impl distrain a dt.checkpoint.PreemptionHandler
+                makes every process save that step and exit with 143.
 """
 
 import argparse
@@ -73,6 +76,7 @@ def main() -> int:
     parser.add_argument("--kill-at", type=int, default=None)
     parser.add_argument("--kill-process", type=int, default=1)
     parser.add_argument("--die-at", type=int, default=None)
+    parser.add_argument("--term-at", type=int, default=None)
     args = parser.parse_args()
 
     from distrain import MultiWorkerMirroredStrategy
@@ -131,6 +135,10 @@ def main() -> int:
 
         dataset = strategy.distribute_datasets_from_function(dataset_fn)
 
+    preemption = None
+    if args.term_at is not None:
+        preemption = dt.checkpoint.PreemptionHandler(sync_every_steps=1)
+
     losses = []
     for i, dist_batch in zip(range(start, args.steps), dataset, strict=False):
         state, loss = strategy.run(train_step, args=(state, dist_batch))
@@ -145,8 +153,20 @@ def main() -> int:
         ):
             print(f"killing myself at step {args.kill_at}", flush=True)
             os.kill(os.getpid(), signal.SIGKILL)
+        if (
+            args.term_at is not None
+            and i + 1 == args.term_at
+            and pid == args.kill_process
+            and os.environ.get("DISTRAIN_RESTART_COUNT", "0") == "0"
+        ):
+            print(f"sending myself SIGTERM at step {args.term_at}", flush=True)
+            os.kill(os.getpid(), signal.SIGTERM)
         if manager is not None and args.ckpt_impl == "distrain":
             manager.save(i + 1, state)
+            if preemption is not None and preemption.should_stop(i + 1):
+                print(f"preempted: saved step {i + 1}", flush=True)
+                manager.close()
+                preemption.exit()
         elif manager is not None:
             target = {"step": state.step, "params": state.params, "opt_state": state.opt_state}
             manager.save(i + 1, args=ocp.args.StandardSave(target))

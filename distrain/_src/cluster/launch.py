@@ -14,13 +14,28 @@ CUDA_VISIBLE_DEVICES (without it every process sees every GPU).
 When a process exits with a non-zero status (or is killed), the launcher kills
 the others at once (SIGKILL to each process group: without the failed process
 they cannot save anyway) and starts all N again on a fresh port, up to
-`--max-restarts` times; the program resumes from its latest checkpoint. When the
-launcher itself is stopped (SIGTERM, Ctrl-C) it sends SIGTERM to each process
-group and SIGKILL after `--grace-period`. DISTRAIN_RESTART_COUNT tells it which attempt
-it is. The launcher's exit status is the last attempt's: 0, the failing
-process's status, or 128+signal for a process killed by a signal. A program
-that cannot be started is one error line and no restart: status 127 (not
-found) or 126 (not executable), as in a shell.
+`--max-restarts` times; the program resumes from its latest checkpoint.
+
+A process that exits with `dt.checkpoint.PREEMPTION_EXIT_CODE` (143: it saved
+after SIGTERM, run again to continue) was preempted, not failed: the others get
+`--grace-period` seconds to exit by themselves (they save the same step), and if
+every process exited with 143 or 0 all N start again without using a restart, up
+to `--max-preemptions` times (then the launcher exits 143). Only a SIGTERM that
+reached the processes and not the launcher does this: when the launcher itself is
+stopped (SIGTERM, Ctrl-C) it sends SIGTERM to each process group, SIGKILL after
+`--grace-period`, restarts nothing, and exits 143 if every process saved and
+exited 143, else 130.
+
+DISTRAIN_RESTART_COUNT tells the program which attempt it is (0, 1, ...). The
+launcher's exit status is the last attempt's: 0, the failing process's status,
+or 128+signal for a process killed by a signal. A program that cannot be started
+is one error line and no restart: status 127 (not found) or 126 (not
+executable), as in a shell. A program that is not on PATH but is next to the
+launcher's own Python (`.venv/bin/distrain launch -- distrain train ...` without
+the environment activated) runs from there, with one line saying so.
+
+The coordinator address is 127.0.0.1:<port>, and process 0's coordinator service
+listens on 127.0.0.1 only (see docs/security.md).
 
 The launcher drives one machine. On several machines run the program on each
 machine with the variables set by hand (or TF_CONFIG, or under Slurm), and let
@@ -42,6 +57,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import IO, Any
 
+from distrain._src import verbosity
+from distrain._src.checkpoint.preemption import PREEMPTION_EXIT_CODE
 from distrain._src.cluster.base import (
     ENV_COORDINATOR_ADDRESS,
     ENV_LOCAL_DEVICES,
@@ -53,6 +70,19 @@ from distrain._src.cluster.communication import ENV_TIMEOUT_SECONDS
 ENV_RESTART_COUNT = "DISTRAIN_RESTART_COUNT"
 _DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
 _LINE_END = re.compile(rb"(\r\n|\n|\r)")
+# gloo (JAX's CPU collectives across processes) prints this from C++ to stdout for every
+# communicator a process joins, and nothing turns it off (distrain._src.verbosity): the
+# launcher drops it when the counts agree, unless DISTRAIN_VERBOSE. A short count, and
+# gloo's "is NOT connected to" line after it, pass.
+_GLOO_CONNECTED = re.compile(
+    rb"\[Gloo\] Rank \d+ is connected to (\d+) peer ranks\. "
+    rb"Expected number of connected peer ranks is : (\d+)"
+)
+
+
+def _is_noise(line: bytes) -> bool:
+    m = _GLOO_CONNECTED.fullmatch(line.strip())
+    return m is not None and m[1] == m[2] and not verbosity.verbose()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -85,6 +115,33 @@ _positive_float = _checked(float, lambda v: v > 0, "seconds > 0")
 _port = _checked(int, lambda v: 0 <= v <= 65535, "a port in 0..65535")
 
 
+EPILOG = """\
+exit status and restarts:
+  A process exiting non-zero (or killed) is a failure: the others are killed at
+  once and all N start again, up to --max-restarts times.
+  A process exiting 143 (dt.checkpoint.PREEMPTION_EXIT_CODE: it saved after SIGTERM)
+  is a preemption: the others get --grace-period seconds to exit by themselves,
+  and if all exited 143 or 0, all N start again without using a restart, up to
+  --max-preemptions times (then the launcher exits 143).
+  SIGTERM or Ctrl-C to the launcher stops the processes (SIGTERM, SIGKILL after
+  --grace-period) and restarts nothing: exit 143 if every process saved and
+  exited 143, else 130.
+  Otherwise the status is the last attempt's: 0, the failing process's status,
+  or 128+signal; 127 (not found) or 126 when the program cannot be started.
+
+program:
+  Found on PATH, else next to this launcher's Python (e.g. .venv/bin/distrain
+  when the environment is not activated).
+
+network:
+  Process 0's coordinator service listens on 127.0.0.1 only; nothing is
+  authenticated (docs/security.md).
+
+example:
+  distrain launch --nproc 2 --devices-per-proc 2 --max-restarts 3 -- python train.py
+"""
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the `distrain launch` options to `parser` (for the `distrain` CLI)."""
     parser.add_argument("--nproc", type=_positive_int, required=True, help="processes to start")
@@ -108,13 +165,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=_non_negative_int,
         default=0,
         metavar="R",
-        help="restart all processes up to R times after a failure (default 0)",
+        help="restart all processes up to R times after a failure (default 0); a "
+        "preemption does not count (see --max-preemptions)",
+    )
+    parser.add_argument(
+        "--max-preemptions",
+        type=_non_negative_int,
+        default=10,
+        metavar="P",
+        help=f"restart all processes up to P times after a preemption: the processes exited "
+        f"with {PREEMPTION_EXIT_CODE} (dt.checkpoint.PREEMPTION_EXIT_CODE, 'saved after "
+        "SIGTERM') while the launcher itself was not stopped (default 10; 0: exit 143 at "
+        "the first)",
     )
     parser.add_argument(
         "--port",
         type=_port,
         default=0,
-        help="coordinator port on 127.0.0.1 (default: a free port, a new one per attempt)",
+        help="coordinator port, listened on at 127.0.0.1 only (default: a free port, a new one "
+        "per attempt)",
     )
     parser.add_argument(
         "--timeout",
@@ -131,7 +200,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=5.0,
         metavar="S",
         help="when the launcher is stopped (SIGTERM, Ctrl-C): seconds between SIGTERM and "
-        "SIGKILL to the processes (default 5; after a failure they are killed at once)",
+        "SIGKILL to the processes; after a process's preemption exit (143): seconds the "
+        "others get to exit by themselves (default 5; after a failure they are killed at once)",
     )
     parser.add_argument(
         "command", nargs=argparse.REMAINDER, help="-- then the program and its arguments"
@@ -207,6 +277,7 @@ def _pump(stream: IO[bytes], prefix: bytes, out: IO[bytes], lock: threading.Lock
             text = b"".join(
                 (prefix + segments[i] if segments[i] else b"") + segments[i + 1]
                 for i in range(0, len(segments), 2)
+                if not _is_noise(segments[i])
             )
             with lock:
                 out.write(text)
@@ -273,10 +344,43 @@ class _CannotStart(Exception):
         self.status = status
 
 
-def _check_program(program: str) -> None:
-    """Raises `_CannotStart` (exit status 127/126, as a shell) unless `program` can be run."""
+def _own_bin_dir() -> str:
+    """The directory of the launcher's own interpreter (a virtual environment's bin/).
+
+    Not resolved through symbolic links: a venv's ``bin/python`` links to the base
+    interpreter, whose directory does not hold the venv's scripts.
+    """
+    return os.path.dirname(os.path.abspath(sys.executable))
+
+
+def _resolve_program(program: str) -> str | None:
+    """Where `program` is: as given when PATH (or its own path) finds it, else the file of
+    that name next to the launcher's interpreter; None when neither is executable.
+
+    `distrain launch -- distrain train ...` run as ``.venv/bin/distrain`` without the
+    environment activated: ``distrain`` (or ``python``) is not on PATH but sits next to
+    the launcher's Python, and is the program the user means.
+    """
     if shutil.which(program) is not None:
-        return
+        return program
+    has_dir = os.sep in program or (os.altsep is not None and os.altsep in program)
+    if has_dir or not sys.executable:
+        return None
+    candidate = os.path.join(_own_bin_dir(), program)
+    if os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+        return candidate
+    return None
+
+
+def _check_program(program: str) -> str:
+    """The path to run for `program` (see `_resolve_program`).
+
+    Raises:
+        _CannotStart: exit status 127 (not found) or 126 (not executable), as a shell.
+    """
+    found = _resolve_program(program)
+    if found is not None:
+        return found
     has_dir = os.sep in program or (os.altsep is not None and os.altsep in program)
     if has_dir and os.path.isfile(program):
         raise _CannotStart(
@@ -284,10 +388,19 @@ def _check_program(program: str) -> None:
             f"through its interpreter (e.g. `-- python {program}`) or `chmod +x` it.",
             126,
         )
-    where = "" if has_dir else " on PATH"
+    if has_dir:
+        raise _CannotStart(
+            f"cannot start {program!r}: no such file. Expected the program to run after "
+            "'--', e.g. `distrain launch --nproc 2 -- python train.py`; check the path.",
+            127,
+        )
+    bin_dir = _own_bin_dir() if sys.executable else None
+    looked = f"on PATH or in {bin_dir} (next to this launcher's Python)" if bin_dir else "on PATH"
     raise _CannotStart(
-        f"cannot start {program!r}: not found{where}. Expected the program to run after '--', "
-        "e.g. `distrain launch --nproc 2 -- python train.py`; check its spelling and PATH.",
+        f"cannot start {program!r}: not found {looked}. Expected the program to run after "
+        "'--', e.g. `distrain launch --nproc 2 -- python train.py`; check its spelling, give "
+        "its full path, or activate the environment that provides it (e.g. "
+        "`source .venv/bin/activate`).",
         127,
     )
 
@@ -296,6 +409,7 @@ class _Launcher:
     def __init__(self, args: argparse.Namespace, command: list[str]):
         self.args = args
         self.command = command
+        self.procs: list[subprocess.Popen] = []  # the latest attempt's
         self.out = getattr(sys.stdout, "buffer", None) or sys.stdout
         self.lock = threading.Lock()
 
@@ -304,15 +418,22 @@ class _Launcher:
             sys.stderr.write(f"[launch] {message}\n")
             sys.stderr.flush()
 
-    def attempt(self, attempt: int) -> int:
-        """Runs the N processes once; returns 0 or the first failure's exit code."""
+    def attempt(self, attempt: int, limit: int) -> tuple[int, bool]:
+        """Runs the N processes once.
+
+        Returns:
+            (exit code, preempted): 0, or the first failure's exit code; `preempted` when
+            the attempt ended in a preemption (see `_after_preemption`).
+        """
         port = self.args.port or free_port()
         self.log(
-            f"starting {self.args.nproc} processes (attempt {attempt + 1} of "
-            f"{self.args.max_restarts + 1}), coordinator 127.0.0.1:{port}"
+            f"starting {self.args.nproc} processes (attempt {attempt + 1} of {limit}), "
+            f"coordinator 127.0.0.1:{port}"
         )
         procs: list[subprocess.Popen] = []
+        self.procs = procs
         pumps: list[threading.Thread] = []
+        preempted = False
         try:
             for i in range(self.args.nproc):
                 try:
@@ -339,7 +460,12 @@ class _Launcher:
                 pump.start()
                 pumps.append(pump)
             failure = self._wait(procs)
-            if failure is not None:
+            if failure is not None and failure[1] == PREEMPTION_EXIT_CODE:
+                failure, preempted = self._after_preemption(procs, failure[0])
+            elif failure is not None:
+                self.log(
+                    f"process {failure[0]} {_status_text(failure[1])}; stopping the other processes"
+                )
                 # At once, no grace period: the others cannot save a checkpoint without
                 # the failed process (a save is collective), and JAX's preemption
                 # service swallows SIGTERM in them anyway.
@@ -350,33 +476,104 @@ class _Launcher:
                 pump.join(timeout=5)
         if failure is None:
             self.log("all processes finished")
-            return 0
-        return _exit_code(failure[1])
+            return 0, False
+        return _exit_code(failure[1]), preempted
 
     def _wait(self, procs: list[subprocess.Popen]) -> tuple[int, int] | None:
+        """Waits until every process exited 0 (returns None) or one failed (its index, code)."""
         while True:
             codes = [p.poll() for p in procs]
             failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
             if failed:
                 # A process killed by a signal first: its peers fail fast because of it
-                # and may already have exited by the time both are seen here.
-                i, code = min(failed, key=lambda f: (f[1] > 0, f[0]))
-                self.log(f"process {i} {_status_text(code)}; stopping the other processes")
-                return i, code
+                # and may already have exited by the time both are seen here. A
+                # preemption exit (143) last: any other failure makes the attempt one.
+                return min(failed, key=lambda f: (f[1] == PREEMPTION_EXIT_CODE, f[1] > 0, f[0]))
             if all(code == 0 for code in codes):
                 return None
             time.sleep(0.05)
 
+    def _after_preemption(
+        self, procs: list[subprocess.Popen], index: int
+    ) -> tuple[tuple[int, int], bool]:
+        """Process `index` exited 143: it saved after SIGTERM. Lets the others finish.
+
+        With several processes, a preempted job saves one step on all of them and each
+        exits 143 once its part is written: the others are not killed at once (that
+        could cut the save short) but get `--grace-period` seconds to exit by themselves.
+
+        Returns:
+            (the (index, status) to report, preempted): preempted when every process
+            exited with 0 or 143 by itself; otherwise the attempt counts as a failure
+            (a process exited with another status, or did not exit in time and was
+            killed: 137).
+        """
+        grace = self.args.grace_period
+        if any(p.poll() is None for p in procs):
+            self.log(
+                f"process {index} was preempted (exit status {PREEMPTION_EXIT_CODE}: it saved "
+                f"after SIGTERM); waiting up to {grace:g} s for the other processes to exit"
+            )
+        deadline = time.monotonic() + grace
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        stuck = [i for i, p in enumerate(procs) if p.poll() is None]
+        if stuck:
+            _kill(procs)
+            self.log(
+                f"process {stuck[0]} did not exit within {grace:g} s of process {index}'s "
+                "preemption exit; killed it (a failure: raise --grace-period if saving takes "
+                "longer)"
+            )
+            return (stuck[0], -signal.SIGKILL), False
+        codes = [(i, p.returncode) for i, p in enumerate(procs)]
+        failed = [(i, c) for i, c in codes if c not in (0, PREEMPTION_EXIT_CODE)]
+        if failed:
+            i, code = min(failed, key=lambda f: (f[1] > 0, f[0]))
+            self.log(f"process {i} {_status_text(code)} (a failure, not a preemption)")
+            return (i, code), False
+        preempted = [i for i, c in codes if c == PREEMPTION_EXIT_CODE]
+        self.log(
+            f"preempted: process(es) {', '.join(map(str, preempted))} saved after SIGTERM and "
+            f"exited with status {PREEMPTION_EXIT_CODE}"
+        )
+        return (index, PREEMPTION_EXIT_CODE), True
+
     def run(self) -> int:
-        code = 0
-        for attempt in range(self.args.max_restarts + 1):
-            code = self.attempt(attempt)
+        """Runs attempts until one succeeds or the restarts run out; returns the exit code.
+
+        A failure uses one of `--max-restarts`; a preemption (see `_after_preemption`)
+        one of `--max-preemptions` instead. When the launcher itself is stopped it
+        raises (`_Terminated`, `KeyboardInterrupt`) and nothing restarts.
+        """
+        failures = preemptions = 0
+        attempt = 0
+        while True:
+            limit = attempt + 1 + self.args.max_restarts - failures
+            code, preempted = self.attempt(attempt, limit)
             if code == 0:
                 return 0
-            if attempt < self.args.max_restarts:
-                self.log(f"restarting all processes ({attempt + 1} of {self.args.max_restarts})")
-        self.log(f"giving up after {self.args.max_restarts + 1} attempt(s); exit status {code}")
-        return code
+            if preempted and preemptions < self.args.max_preemptions:
+                preemptions += 1
+                self.log(
+                    f"restarting all processes after the preemption ({preemptions} of "
+                    f"{self.args.max_preemptions} --max-preemptions; --max-restarts used: "
+                    f"{failures} of {self.args.max_restarts})"
+                )
+            elif preempted:
+                self.log(
+                    f"giving up after {preemptions} restart(s) after preemptions "
+                    f"(--max-preemptions {self.args.max_preemptions}); exit status {code}: the "
+                    "processes saved, run the same command to continue"
+                )
+                return code
+            elif failures < self.args.max_restarts:
+                failures += 1
+                self.log(f"restarting all processes ({failures} of {self.args.max_restarts})")
+            else:
+                self.log(f"giving up after {attempt + 1} attempt(s); exit status {code}")
+                return code
+            attempt += 1
 
 
 class _Terminated(Exception):
@@ -408,11 +605,15 @@ def run(args: argparse.Namespace) -> int:
             sys.stderr.write(f"distrain launch: error: {e}\n")
             return 2
     try:
-        _check_program(command[0])
+        program = _check_program(command[0])
     except _CannotStart as e:
         sys.stderr.write(f"distrain launch: error: {e}\n")
         return e.status
-    launcher = _Launcher(args, command)
+    launcher = _Launcher(args, [program, *command[1:]])
+    if program != command[0]:
+        launcher.log(
+            f"{command[0]!r} is not on PATH; running {program} (next to this launcher's Python)"
+        )
     previous = None
     if threading.current_thread() is threading.main_thread():
 
@@ -426,7 +627,15 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"distrain launch: error: {e}\n")
         return e.status
     except (KeyboardInterrupt, _Terminated):
-        # The processes were stopped by attempt()'s finally; report like a shell would.
+        # The processes were stopped by attempt()'s finally (SIGTERM, then SIGKILL after
+        # the grace period). No restart, preempted or not: the launcher was told to stop.
+        procs = launcher.procs
+        if procs and all(p.returncode == PREEMPTION_EXIT_CODE for p in procs):
+            launcher.log(
+                f"interrupted; every process saved after SIGTERM and exited with status "
+                f"{PREEMPTION_EXIT_CODE}: run the same command to continue"
+            )
+            return PREEMPTION_EXIT_CODE
         launcher.log("interrupted; all processes stopped")
         return 130
     finally:
@@ -444,6 +653,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="distrain launch",
         description="Run N processes of a program on this machine, restarting them on failure.",
+        epilog=EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     add_arguments(parser)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))

@@ -14,7 +14,10 @@ lacks for a training framework:
   over all devices assumes it), checked from the global device list;
 - every process must have been started with the same number of processes
   (JAX sizes the cluster from process 0 alone), checked through the
-  coordination service's key-value store right after joining.
+  coordination service's key-value store right after joining;
+- process 0's coordinator service listens on the coordinator address itself when
+  that is a loopback address (JAX's default is every interface), see
+  `coordinator_bind_address`.
 
 After joining, an uncaught exception ends the process at once (`os._exit`, after
 printing it) instead of waiting in JAX's shutdown barrier for peers that will
@@ -36,6 +39,8 @@ Example:
 from __future__ import annotations
 
 import collections
+import errno
+import ipaddress
 import json
 import logging
 import os
@@ -43,6 +48,7 @@ import socket
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -118,8 +124,60 @@ def wait_for_coordinator(address: str, timeout: float, *, poll_interval: float =
     )
 
 
-def check_port_free(address: str) -> None:
+# JAX's own variable for where process 0's coordinator service listens ("host:port").
+ENV_JAX_BIND_ADDRESS = "JAX_COORDINATOR_BIND_ADDRESS"
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+def coordinator_bind_address(address: str, environ: Mapping[str, str] | None = None) -> str:
+    """Where process 0's coordinator service listens, for coordinator address `address`.
+
+    JAX binds every interface (``[::]:port``) unless told otherwise. Here:
+
+    - ``JAX_COORDINATOR_BIND_ADDRESS`` if set (JAX's own variable: the user's choice);
+    - the coordinator address itself when its host is a loopback address (127.0.0.1,
+      ::1, localhost): every process connects there, so nothing needs more, and
+      nothing off this machine can reach it (`distrain launch` uses 127.0.0.1);
+    - else ``[::]:port``, JAX's default: the address the others use may not be one
+      this machine can bind (a NAT, a Kubernetes service, a name that resolves to
+      127.0.1.1 here and to the network address elsewhere).
+
+    Raises:
+        ValueError: ``JAX_COORDINATOR_BIND_ADDRESS`` is not "host:port".
+
+    Example:
+        >>> coordinator_bind_address("127.0.0.1:8476", {})
+        '127.0.0.1:8476'
+        >>> coordinator_bind_address("10.0.0.1:8476", {})
+        '[::]:8476'
+    """
+    env = os.environ if environ is None else environ
+    host, port = parse_address(address, field="coordinator address")
+    chosen = env.get(ENV_JAX_BIND_ADDRESS)
+    if chosen:
+        # Its port may differ from the address's (a forwarded port): taken as given.
+        parse_address(chosen, field=ENV_JAX_BIND_ADDRESS)
+        return chosen
+    if _is_loopback(host):
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    return f"[::]:{port}"
+
+
+def check_port_free(address: str, bind_address: str | None = None) -> None:
     """Raises if process 0 cannot listen on the port of `address` (JAX would crash).
+
+    Args:
+        address: the coordinator address ("host:port").
+        bind_address: where the coordinator will listen (`coordinator_bind_address`);
+            default ``[::]:port``, every interface.
 
     Raises:
         OSError: the port is already in use.
@@ -128,19 +186,42 @@ def check_port_free(address: str) -> None:
         >>> check_port_free("127.0.0.1:1")  # doctest: +SKIP
     """
     _, port = parse_address(address, field="coordinator address")
-    # JAX's coordinator binds [::]:port; SO_REUSEADDR ignores TIME_WAIT leftovers of
-    # an earlier run on the same port, so only a live listener makes this fail.
-    family, host = (socket.AF_INET6, "::") if socket.has_ipv6 else (socket.AF_INET, "0.0.0.0")
-    try:
-        sock = socket.socket(family, socket.SOCK_STREAM)
-    except OSError:
-        family, host = socket.AF_INET, "0.0.0.0"
+    bind_host = "::"
+    if bind_address is not None:
+        bind_host, port = parse_address(bind_address, field="coordinator bind address")
+    # SO_REUSEADDR ignores TIME_WAIT leftovers of an earlier run on the same port, so
+    # only a live listener makes this fail.
+    if bind_host in ("::", "0.0.0.0"):
+        family, host = (socket.AF_INET6, "::") if socket.has_ipv6 else (socket.AF_INET, "0.0.0.0")
+        try:
+            sock = socket.socket(family, socket.SOCK_STREAM)
+        except OSError:
+            family, host = socket.AF_INET, "0.0.0.0"
+            sock = socket.socket(family, socket.SOCK_STREAM)
+    else:
+        try:
+            info = socket.getaddrinfo(bind_host, port, type=socket.SOCK_STREAM)[0]
+        except OSError as e:
+            raise OSError(
+                e.errno,
+                f"Process 0 must start the coordinator on {bind_address}, but {bind_host!r} "
+                f"does not resolve ({e}). Expected an address of this machine (check "
+                f"{ENV_JAX_BIND_ADDRESS}), or unset it to listen on every interface.",
+            ) from None
+        family, host = info[0], str(info[4][0])
         sock = socket.socket(family, socket.SOCK_STREAM)
     with sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError as e:
+            if e.errno != errno.EADDRINUSE:
+                raise OSError(
+                    e.errno,
+                    f"Process 0 must start the coordinator on {bind_address}, but cannot "
+                    f"listen there ({e.strerror}). Expected an address of this machine (check "
+                    f"{ENV_JAX_BIND_ADDRESS}), or unset it to listen on every interface.",
+                ) from None
             raise OSError(
                 e.errno,
                 f"Process 0 must start the coordinator on port {port} ({address}), but the port "
@@ -287,9 +368,11 @@ def _join(resolver: ClusterResolver, options: CommunicationOptions) -> int:
     _set_local_devices(resolver)
     address = resolver.coordinator_address
     timeout = options.initialization_timeout
+    bind_address = None
     if address is not None:
         if resolver.process_id == 0:
-            check_port_free(address)
+            bind_address = coordinator_bind_address(address)
+            check_port_free(address, bind_address)
         else:
             timeout = max(1, round(timeout - wait_for_coordinator(address, timeout)))
     what = address if address is not None else "the address auto-detected by JAX"
@@ -310,6 +393,7 @@ def _join(resolver: ClusterResolver, options: CommunicationOptions) -> int:
                 process_id=resolver.process_id,
                 local_device_ids=list(ids) if ids is not None else None,
                 cluster_detection_method="deactivate",
+                coordinator_bind_address=bind_address,
                 **kwargs,
             )
     finally:

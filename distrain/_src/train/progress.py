@@ -219,12 +219,27 @@ def sums_to_json(metric: Any) -> dict[str, Any]:
 
 
 def sums_from_json(data: dict[str, Any]) -> dict[str, Any]:
-    """Inverse of :func:`sums_to_json` for a dict of metrics."""
+    """Inverse of :func:`sums_to_json` for a dict of metrics.
+
+    A checkpoint is data: only a ``dt.metrics.Metric`` subclass it names is created
+    (with arrays of floats), nothing else it names is called.
+
+    Raises:
+        ValueError: a name is not a ``dt.metrics.Metric`` subclass.
+    """
+    from distrain._src.train.metrics import Metric
+
     out = {}
     for name, item in data.items():
         module, _, qualname = item["type"].partition(":")
         cls: Any = importlib.import_module(module)
         for part in qualname.split("."):
             cls = getattr(cls, part)
+        if not (isinstance(cls, type) and issubclass(cls, Metric)):
+            raise ValueError(
+                f"The checkpoint's sums of metric {name!r} name {item['type']!r}, which is not "
+                "a dt.metrics.Metric subclass. Expected the class of a metric the train step "
+                "returns: the checkpoint was altered or not written by distrain."
+            )
         out[name] = cls(**{k: np.asarray(v, np.float64) for k, v in item["fields"].items()})
     return out
