@@ -63,6 +63,7 @@ _LAZY = {
     "config": "distrain.config",
     "data": "distrain.data",
     "experimental": "distrain.experimental",
+    "goodput": "distrain.goodput",
     "nn": "distrain.nn",
     "InputContext": "distrain._src.data.options:InputContext",
     "InputOptions": "distrain._src.data.options:InputOptions",
@@ -73,6 +74,7 @@ if TYPE_CHECKING:
     from distrain import config as config
     from distrain import data as data
     from distrain import experimental as experimental
+    from distrain import goodput as goodput
     from distrain import nn as nn
     from distrain._src.data.options import InputContext as InputContext
     from distrain._src.data.options import InputOptions as InputOptions
@@ -116,6 +118,7 @@ __all__ = [
     "experimental",
     "get_replica_context",
     "get_strategy",
+    "goodput",
     "has_strategy",
     "in_cross_replica_context",
     "initialize_distributed",

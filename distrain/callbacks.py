@@ -16,6 +16,7 @@ from distrain._src.train.callbacks.checkpointing import BackupAndRestore as Back
 from distrain._src.train.callbacks.checkpointing import ModelCheckpoint as ModelCheckpoint
 from distrain._src.train.callbacks.control import EarlyStopping as EarlyStopping
 from distrain._src.train.callbacks.control import TerminateOnNaN as TerminateOnNaN
+from distrain._src.train.callbacks.goodput import Goodput as Goodput
 from distrain._src.train.callbacks.logging import CSVLogger as CSVLogger
 from distrain._src.train.callbacks.logging import JSONLinesLogger as JSONLinesLogger
 from distrain._src.train.callbacks.logging import ProgressBar as ProgressBar
@@ -33,6 +34,7 @@ __all__ = [
     "Callback",
     "CallbackList",
     "EarlyStopping",
+    "Goodput",
     "JSONLinesLogger",
     "LambdaCallback",
     "LoopState",

@@ -6,6 +6,8 @@ Subcommands:
   config (see ``configs/``); overrides use dotted keys, e.g. ``train.epochs=3``.
 * ``distrain launch [options] -- PROGRAM ...``: run N processes of a program on this
   machine as one multi-worker job (see ``distrain launch --help``).
+* ``distrain goodput WORKDIR [--json F] [--png F]``: where a run's wall time went,
+  across restarts (see ``dt.goodput``).
 * ``distrain plan --config FILE --devices N [--device-memory 80GiB] [--json]``: will the
   config's step fit on N devices? Compiled from abstract shapes, nothing allocated
   (see ``distrain plan --help``).
@@ -71,10 +73,15 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show the full traceback of an error (also: DISTRAIN_DEBUG=1)",
     )
-    # `launch` and `plan` parse their own arguments; listed here for `distrain --help`.
+    # `launch`, `plan` and `goodput` parse their own arguments; listed here for --help.
     sub.add_parser(
         "launch",
         help="run N processes of a program as one multi-worker job",
+        add_help=False,
+    )
+    sub.add_parser(
+        "goodput",
+        help="where a run's wall time went, across restarts (reads WORKDIR/goodput.jsonl)",
         add_help=False,
     )
     sub.add_parser(
@@ -164,6 +171,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from distrain._src.cluster.launch import main as launch_main
 
         return launch_main(argv[1:])
+    if argv and argv[0] == "goodput":
+        from distrain._src.goodput.command import main as goodput_main
+
+        return run_reporting_errors("goodput", lambda: goodput_main(argv[1:]))
     if argv and argv[0] == "plan":
         from distrain._src.train.plan import main as plan_main
 

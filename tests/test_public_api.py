@@ -25,6 +25,7 @@ PUBLIC = (
     "distrain.experimental",
     "distrain.experimental.coordinator",
     "distrain.experimental.partitioners",
+    "distrain.goodput",
     "distrain.metrics",
     "distrain.mixed_precision",
     "distrain.nn",

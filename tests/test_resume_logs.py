@@ -221,17 +221,23 @@ def _finish(proc, timeout=180):
 
 def test_cli_sigkill_and_rerun_keep_every_log_line_once(tmp_path):
     cmd = _cli(
-        tmp_path, f"checkpoint.backup_dir={tmp_path / 'backup'}", "checkpoint.backup_freq=50"
+        tmp_path,
+        f"checkpoint.backup_dir={tmp_path / 'backup'}",
+        "checkpoint.backup_freq=50",
+        "logging.goodput_interval=0.02",  # so the ledger sees steps past the backup
     )
     jsonl = tmp_path / "metrics.jsonl"
+    began = time.time()
     proc = _start(cmd, ROOT)
     _signal_when_logged([(proc, jsonl, 130, signal.SIGKILL)])
     _finish(proc)
+    time.sleep(1.0)  # downtime the goodput report must find
     killed = jsonl.read_text().splitlines(keepends=True)
     killed = [line for line in killed if line.endswith("\n")]
 
     proc = _start(cmd, ROOT)
     out, err = _finish(proc)
+    wall = time.time() - began
     assert proc.returncode == 0, err[-3000:]
     resumed_at = int(out.split("resumed from the backup of step ")[1].split()[0])
     assert resumed_at >= 100 and resumed_at % 50 == 0
@@ -247,6 +253,18 @@ def test_cli_sigkill_and_rerun_keep_every_log_line_once(tmp_path):
     assert [r["epoch"] for r in records if r["event"] == "epoch"] == list(range(20))
     with open(tmp_path / "epochs.csv", newline="") as f:
         assert [int(r["epoch"]) for r in csv.DictReader(f)] == list(range(20))
+
+    # The goodput ledger (logging.dir) accounts for both attempts, the kill included.
+    r = dt.goodput.report(tmp_path)
+    assert len(r.attempts) == 2 and r.failures == 1
+    assert r.attempts[1].resumed_from == resumed_at and r.attempts[1].finished
+    assert r.lost_steps_per_failure == (r.attempts[0].last_step - resumed_at,)
+    assert r.lost_steps_per_failure[0] > 0 and r.buckets_s["lost"] > 0
+    assert r.buckets_s["downtime"] >= 1.0
+    assert sum(r.buckets_s.values()) == pytest.approx(r.wall_s, rel=1e-6)
+    # From the first process's start to the last record: the wall time measured here
+    # less the spawn before the first start and the exit after the last record.
+    assert r.wall_s <= wall and r.wall_s == pytest.approx(wall, rel=0.05)
 
 
 def test_cli_interruptions_are_one_line_saying_what_was_saved(tmp_path):

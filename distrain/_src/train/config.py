@@ -292,6 +292,10 @@ class LoggingConfig(_Section):
       tensorboard: write TensorBoard event files to ``dir``.
       csv: write ``dir/epochs.csv``.
       jsonl: write ``dir/metrics.jsonl``.
+      goodput: keep the goodput ledger ``dir/goodput.jsonl`` (``distrain goodput DIR``
+        reads it); on by default when ``dir`` is set.
+      goodput_interval: seconds between the ledger's progress records (what a SIGKILL can
+        leave unaccounted, then counted as downtime).
       wandb: log to Weights & Biases (``None``: not).
       mlflow: log to MLflow (``None``: not).
     """
@@ -301,6 +305,8 @@ class LoggingConfig(_Section):
     tensorboard: bool = False
     csv: bool = False
     jsonl: bool = False
+    goodput: bool = True
+    goodput_interval: float = Field(default=1.0, gt=0)
     wandb: WandbConfig | None = None
     mlflow: MLflowConfig | None = None
 

@@ -279,6 +279,8 @@ def _callbacks(cfg: RunConfig, progress_bar: bool) -> list[Any]:
             out.append(cb.CSVLogger(os.path.join(log_dir, "epochs.csv")))
         if cfg.logging.jsonl:
             out.append(cb.JSONLinesLogger(os.path.join(log_dir, "metrics.jsonl")))
+    if log_dir is not None and cfg.logging.goodput:
+        out.append(cb.Goodput(log_dir, interval=cfg.logging.goodput_interval))
     ck = cfg.checkpoint
     if ck.backup_dir is not None:
         out.append(cb.BackupAndRestore(ck.backup_dir, save_freq=ck.backup_freq))

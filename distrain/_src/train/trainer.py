@@ -37,6 +37,8 @@ from typing import Any
 import jax
 
 from distrain._src.current import get_strategy
+from distrain._src.goodput import ledger as goodput
+from distrain._src.goodput.ledger import settle_steps
 from distrain._src.padding import MASK_KEY
 from distrain._src.strategy.base import Strategy
 from distrain._src.train import _functions as F
@@ -357,6 +359,7 @@ class Trainer:
                 logs = self._run_epoch(cbs)
                 # Absolute epoch numbers, so a resumed run validates after the same epochs.
                 if validation_data is not None and (self.loop.epoch + 1) % validation_freq == 0:
+                    settle_steps(self.state)
                     val = self.evaluate(
                         self.state, validation_data, steps=validation_steps, _callbacks=cbs
                     )
@@ -375,6 +378,7 @@ class Trainer:
             raise
         finally:
             self.loop.in_fit = False
+            goodput.set_current(None)  # set by a dt.callbacks.Goodput of this fit
         return self.state, self.loop.history
 
     def _run_epoch(self, cbs: CallbackList) -> dict[str, float]:
@@ -391,16 +395,18 @@ class Trainer:
             want = min(self.steps_per_execution, self.loop.steps_left_in_epoch())
             if want <= 0:
                 break
-            batches = self._passes.take(
-                int(want), new_pass_ok=self.loop.steps_per_epoch is not None
-            )
+            with goodput.phase("input"):
+                batches = self._passes.take(
+                    int(want), new_pass_ok=self.loop.steps_per_epoch is not None
+                )
             if not batches:
                 if self.loop.steps_per_epoch is None and ran_any:
                     break  # the pass is over: so is the epoch
                 raise self.loop.data_ended()
             ran_any = True
-            self.state = steps.run(self.state, [self._input.wrap(b) for b in batches])
-            self._after_dispatch(cbs, len(batches))
+            with goodput.phase("step"):
+                self.state = steps.run(self.state, [self._input.wrap(b) for b in batches])
+                self._after_dispatch(cbs, len(batches))
             steps.calibrate(
                 self.state,
                 self.loop.global_step - self.loop.initial_step,
@@ -457,11 +463,12 @@ class Trainer:
             steps = steps_per_epoch_of(data)
         cbs = _callbacks or CallbackList([*self.callbacks, *callbacks], self)
         cbs.call("on_test_begin", None)
-        state = self.strategy.put_replicated(state) if not self.loop.in_fit else state
-        batches = _input.distribute(self.strategy, data)
-        logs = _inference.evaluate_loop(
-            self.strategy, self._eval_fn, self._zeros, state, batches, steps
-        )
+        with goodput.phase("evaluation"):
+            state = self.strategy.put_replicated(state) if not self.loop.in_fit else state
+            batches = _input.distribute(self.strategy, data)
+            logs = _inference.evaluate_loop(
+                self.strategy, self._eval_fn, self._zeros, state, batches, steps
+            )
         cbs.call("on_test_end", logs)
         return logs
 

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from distrain._src.goodput import ledger as goodput
+from distrain._src.goodput.ledger import settle_steps
 from distrain._src.train.callbacks.base import Callback, Logs, StepInfo, ensure_writable_dir
 from distrain._src.train.callbacks.control import improved, resolve_mode, validation_pending
 from distrain._src.validate import is_positive_int
@@ -128,15 +130,20 @@ class _Saver(Callback):
             )
             return False
         step = self.checkpoint_step()
-        saved = self.manager.save(
-            step,
-            t.state_snapshot(),  # the async write must not read buffers the next step donates
-            data_state=t.data_state(),
-            metadata={"progress": t.progress()},
-            force=True,
-        )
+        settle_steps(t.state)
+        with goodput.phase("checkpoint"):
+            saved = self.manager.save(
+                step,
+                t.state_snapshot(),  # the async write must not read buffers the next step donates
+                data_state=t.data_state(),
+                metadata={"progress": t.progress()},
+                force=True,
+            )
         if saved:
             self.last_saved_step = step
+            ledger = goodput.current()
+            if ledger is not None:
+                ledger.saved(t.loop.global_step)
         return bool(saved)
 
     def _crossed(self, info: StepInfo) -> bool:
@@ -145,8 +152,9 @@ class _Saver(Callback):
 
     def _finish(self) -> None:
         if self.manager is not None:
-            self.manager.wait_until_finished()
-            self.manager.close()
+            with goodput.phase("checkpoint"):
+                self.manager.wait_until_finished()
+                self.manager.close()
             self.manager = None
 
     def on_train_abort(self, error: BaseException) -> None:

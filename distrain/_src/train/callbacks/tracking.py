@@ -169,6 +169,9 @@ class _Tracker(Callback, abc.ABC):
                 ck.manager.wait_until_finished()
             path = os.path.join(ck.directory, str(ck.last_saved_step))
             self._upload(path, ck.last_saved_step)
+        figures = goodput_figures()
+        if figures:
+            self._log(figures, self._fit_trainer.loop.global_step)
         self._close(failed=False)
 
     def on_train_abort(self, error: BaseException) -> None:
@@ -368,6 +371,24 @@ class MLflowLogger(_Tracker):
         client, self.client = self.client, None
         if client is not None:
             client.set_terminated(self.run_id, "FAILED" if failed else "FINISHED")
+
+
+def goodput_figures() -> dict[str, float]:
+    """``goodput/goodput`` and ``goodput/<bucket>_s`` of the run so far, when this fit keeps
+    a goodput ledger (``dt.callbacks.Goodput``); else nothing."""
+    from distrain._src.goodput import ledger as goodput
+    from distrain._src.goodput.report import report
+
+    ledger = goodput.current()
+    if ledger is None:
+        return {}
+    ledger.record("tick")  # the totals up to now
+    r = report(os.path.dirname(ledger.path))
+    return {
+        "goodput/goodput": r.goodput,
+        "goodput/wall_s": r.wall_s,
+        **{f"goodput/{k}_s": v for k, v in r.buckets_s.items()},
+    }
 
 
 def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

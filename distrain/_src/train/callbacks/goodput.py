@@ -1,0 +1,58 @@
+"""``Goodput``: the callback that keeps a run's goodput ledger (``dt.goodput``)."""
+
+from __future__ import annotations
+
+import os
+
+from distrain._src.goodput import ledger as goodput
+from distrain._src.train.callbacks.base import Callback, Logs, StepInfo, ensure_writable_dir
+
+
+class Goodput(Callback):
+    """Records where the run's wall time goes in ``workdir/goodput.jsonl``.
+
+    While ``fit`` runs, the Trainer charges its time to steps, input, checkpoints and
+    evaluation; compilation and start-up are measured too, and a resumed run marks the
+    step it continues from, so ``distrain goodput WORKDIR`` (``dt.goodput.report``) can
+    account for every second across restarts, lost work and downtime included. Only
+    the chief writes. A run that starts afresh in a directory whose ledger finished
+    moves the old ledger aside (``goodput-<time>.jsonl``).
+
+    Args:
+      workdir: the run's directory (e.g. the logging directory).
+      interval: seconds between progress records (what a SIGKILL can lose).
+
+    Raises:
+      OSError: at ``fit`` start if ``workdir`` cannot be written.
+
+    Example:
+      >>> trainer = dt.Trainer(strategy, train_step, callbacks=[
+      ...     dt.callbacks.Goodput("runs/exp"), dt.callbacks.BackupAndRestore("runs/exp/backup")])
+      >>> print(dt.goodput.report("runs/exp").table())
+    """
+
+    def __init__(self, workdir: str | os.PathLike[str], *, interval: float = 1.0) -> None:
+        if not interval > 0:
+            raise ValueError(f"Goodput interval must be > 0 seconds. Received: {interval!r}.")
+        self.workdir = os.fspath(workdir)
+        self.interval = float(interval)
+        self.ledger: goodput.Ledger | None = None
+
+    def on_train_begin(self, logs: Logs | None = None) -> None:
+        t = self._fit_trainer
+        if t.is_chief:
+            ensure_writable_dir(self.workdir, "Goodput ledger")
+            if t.loop.initial_step == 0:
+                goodput.rotate_finished(self.workdir)
+        self.ledger = goodput.Ledger(self.workdir, write=t.is_chief, interval=self.interval)
+        if t.loop.initial_step:  # BackupAndRestore resumed before this ran
+            self.ledger.resumed(t.loop.initial_step)
+        goodput.set_current(self.ledger)
+
+    def on_train_batch_end(self, info: StepInfo) -> None:
+        if self.ledger is not None:
+            self.ledger.progress(info.step)
+
+    def on_train_end(self, logs: Logs | None = None) -> None:
+        if self.ledger is not None:
+            self.ledger.finished()
