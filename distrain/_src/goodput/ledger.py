@@ -75,10 +75,10 @@ class _CompileSpans:
             jax.monitoring.register_event_time_span_listener(self._on_span)
             self.installed = True
 
-    def _on_span(self, event: str, start: float, end: float, **_: Any) -> None:
+    def _on_span(self, event: str, start_time: float, end_time: float, **_: str | int) -> None:
         if event in self.EVENTS:
             with self.lock:
-                self.spans.append((start, end))
+                self.spans.append((start_time, end_time))
 
     def take(self, begin: float, end: float) -> float:
         """Seconds of ``[begin, end]`` covered by compile spans (overlaps counted once);
