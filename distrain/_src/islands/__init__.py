@@ -1,0 +1,8 @@
+"""Islands: groups of replicas that train independently and meet every H steps.
+
+``outer.py`` holds the framework-free outer step of DiLoCo and Streaming DiLoCo (the
+pseudo-gradient, the outer optimizer step, the merge, the fragment schedule and a
+reference driver), ``schedule.py`` the validated configuration and when each fragment
+syncs, ``codecs.py`` the quantized outer gradients. Nothing here is public yet: the
+strategy that places islands on a mesh is built on these functions.
+"""
