@@ -147,7 +147,9 @@ def test_mlflow_logs_steps_epochs_validation_throughput_config_and_checkpoint(st
         tags={"team": "a"},
         log_checkpoint=ckpt,
     )
-    trainer = fit_with(strategy, tmp_path, logger, ckpt)  # the logger first: it waits for the save
+    goodput = cb.Goodput(tmp_path / "run")
+    # The logger first: it waits for the save.
+    trainer = fit_with(strategy, tmp_path, logger, ckpt, goodput)
 
     client = mlflow_client(uri)
     run = only_run(client)
@@ -167,6 +169,11 @@ def test_mlflow_logs_steps_epochs_validation_throughput_config_and_checkpoint(st
     assert history(client, rid, "perf/tokens_per_sec") and history(client, rid, "perf/mfu")
     files = client.list_artifacts(rid, "checkpoints/step-10")
     assert files, "the newest checkpoint was not uploaded"
+    # The goodput ledger's figures, once, at the end of fit.
+    [(step, value)] = history(client, rid, "goodput/goodput")
+    assert step == 10 and 0 < value < 1
+    assert history(client, rid, "goodput/checkpoint_s")[0][1] > 0
+    goodput.ledger.close()
 
 
 def test_a_failed_fit_marks_the_run_failed(strategy, tmp_path):
