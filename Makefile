@@ -17,7 +17,7 @@ BIN_NEW    := $(VENV_NEW)/bin
 # and compiles in turns, so two workers keep 2 cores busy.
 PYTEST_ARGS ?= -q -n 2 --dist loadfile
 
-.PHONY: demo test test-lowest test-newest check bench clean
+.PHONY: demo test test-lowest test-newest check check-extras bench clean
 
 $(BIN)/.installed: pyproject.toml .ci/lowest.txt
 	$(PYTHON) -m venv $(VENV)
@@ -58,6 +58,11 @@ check:
 	$(CHECK_BIN)/ruff check distrain tests examples benchmarks
 	$(CHECK_BIN)/mypy
 	$(CHECK_BIN)/python -m pytest $(PYTEST_ARGS)
+
+# The hardware extras (cuda12, cuda13, tpu) resolve against the index: a dry run each,
+# nothing installed. It needs the network, so CI runs it (.ci/run) and `make test` does not.
+check-extras: $(BIN)/.installed
+	$(BIN)/python .ci/check-extras
 
 bench: $(BIN)/.installed
 	$(BIN)/python -m benchmarks.run

@@ -27,6 +27,8 @@ from distrain._src.cluster.resolvers import EnvClusterResolver as EnvClusterReso
 from distrain._src.cluster.resolvers import SimpleClusterResolver as SimpleClusterResolver
 from distrain._src.cluster.runtime import initialize_distributed as initialize_distributed
 from distrain._src.cluster.tf_config import TFConfigClusterResolver as TFConfigClusterResolver
+from distrain._src.cluster.tpu import TPUClusterResolver as TPUClusterResolver
+from distrain._src.cluster.tpu_system import initialize_tpu_system as initialize_tpu_system
 from distrain._src.context import ReduceOp as ReduceOp
 from distrain._src.context import ReplicaContext as ReplicaContext
 from distrain._src.context import get_replica_context as get_replica_context
@@ -46,6 +48,7 @@ from distrain._src.strategy.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
 from distrain._src.strategy.one_device import OneDeviceStrategy as OneDeviceStrategy
+from distrain._src.strategy.tpu import TPUStrategy as TPUStrategy
 from distrain._src.train.accumulation import accumulate_gradients as accumulate_gradients
 from distrain._src.train.history import History as History
 from distrain._src.train.state import TrainState as TrainState
@@ -107,6 +110,8 @@ __all__ = [
     "SimpleClusterResolver",
     "Strategy",
     "TFConfigClusterResolver",
+    "TPUClusterResolver",
+    "TPUStrategy",
     "TrainState",
     "Trainer",
     "accumulate_gradients",
@@ -122,6 +127,7 @@ __all__ = [
     "has_strategy",
     "in_cross_replica_context",
     "initialize_distributed",
+    "initialize_tpu_system",
     "metrics",
     "mixed_precision",
     "nn",

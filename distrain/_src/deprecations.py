@@ -60,6 +60,8 @@ TABLE: dict[str, dict[str, tuple[str, str]]] = {
             "dt.CommunicationImplementation",
             "distrain:CommunicationImplementation",
         ),
+        # TensorFlow 2.x: tf.distribute.experimental.TPUStrategy (TF deprecated it in 2.3).
+        "TPUStrategy": ("dt.TPUStrategy", "distrain:TPUStrategy"),
     },
     "distrain.data": {
         # tf.distribute names, moved to dt itself.
