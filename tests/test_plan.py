@@ -2,6 +2,7 @@
 CPU devices (real `distrain` processes; nothing allocated for the state)."""
 
 import json
+import math
 import subprocess
 import sys
 
@@ -33,6 +34,9 @@ def test_plan_gives_the_allocated_state_bytes_and_a_verdict(devices):
     assert got["devices"] == 8 and got["devices_per_replica"] == {"fsdp": 4, "tensor": 2}
     assert got["device_memory_bytes"] == 2**30 and got["fits"] is True
     assert got["peak_bytes_per_device"] > got["state_bytes_per_device"] > 0
+    # 32 rows split over the replica's batch axes, far under 1 GiB: nothing to say.
+    assert got["batch"]["splits"] is True and got["batch"]["rows"] == 32
+    assert got["problems"] == [] and got["advice"] == []
 
     # The same state, allocated here on 8 devices as distrain train builds it.
     from distrain._src.train.config import load_config
@@ -52,6 +56,8 @@ def test_plan_gives_the_allocated_state_bytes_and_a_verdict(devices):
     text = plan(*TINY, "--devices", "8", "--device-memory", "1KiB")
     assert text.returncode == 0, text.stderr
     assert "does NOT fit" in text.stdout and "step peak per device" in text.stdout
+    assert "  problem: the step's peak per device" in text.stdout
+    assert "  to change: train.grad_accum_steps=2: the same update" in text.stdout
 
 
 @pytest.mark.parametrize(
@@ -83,3 +89,125 @@ def test_parse_bytes():
     assert parse_bytes("1024") == 1024
     with pytest.raises(ValueError, match=r"Received: '80 GiBs'"):
         parse_bytes("80 GiBs")
+
+
+def test_devices_that_do_not_fit_the_mesh_name_the_override():
+    out = plan("--config", "configs/lm_7b.yaml", "--devices", "8")
+    assert out.returncode == 2
+    (line,) = out.stderr.strip().splitlines()
+    assert line.startswith("distrain plan: error: --devices 8 does not fit"), line
+    assert "strategy.devices_per_replica={fsdp: 64}" in line
+    assert "add the override 'strategy.devices_per_replica={fsdp: 8}'" in line
+    assert "--devices a multiple of 64" in line
+
+
+def test_a_batch_that_does_not_split_and_a_peak_over_memory_are_said(devices):
+    """lm_tiny as one replica over {fsdp: 8} with 4 rows: the rows cannot split over 8
+    devices, so every device computes all 4; and 1 MiB cannot hold the step."""
+    from distrain._src.train.plan import _report
+
+    args = [
+        "--config",
+        "configs/lm_tiny.yaml",
+        "strategy.devices_per_replica={fsdp: 8}",
+        "data.global_batch_size=4",
+        "model.kwargs.remat=none",
+        "data.abstract={tokens: {shape: [129], dtype: int32}}",
+    ]
+    out = plan(*args, "--devices", "8", "--device-memory", "1MiB", "--json")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["batch"] == {
+        "rows": 4,
+        "replicas": 1,
+        "rows_per_replica": 4,
+        "row_axes": {"fsdp": 8},
+        "splits": False,
+        "rows_per_device": 4,
+    }
+    split, over = got["problems"]
+    assert "the batch does not split over a replica's devices" in split
+    assert "4 rows per replica" in split and "{fsdp: 8}" in split and "8 copies" in split
+    assert over.startswith("the step's peak per device") and "exceeds --device-memory" in over
+    advice = "\n".join(got["advice"])
+    assert "data.global_batch_size=8 (1 row(s) per device" in advice
+    assert "model.kwargs.remat=dots_saveable" in advice
+    # Fewer of the same 8 devices on the batch: 4 rows over fsdp 4, whole over tensor 2.
+    assert "'strategy.devices_per_replica={fsdp: 4, tensor: 2}' with " in advice
+    assert "strategy.layout=examples.lm.model:TENSOR_PARALLEL_LAYOUT" in advice
+    assert "1 per device" in advice
+    assert "the state alone (1.25 MiB per device) does not fit" in advice
+    text = _report(got, 1)
+    assert "batch rows per device:   4 (4 rows, 4 per replica, whole on every device" in text
+    assert f"  problem: {split}" in text and f"  to change: {got['advice'][0]}" in text
+
+
+def _cfg(accum=1, kwargs=None):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(
+        train=SimpleNamespace(grad_accum_steps=accum),
+        model=SimpleNamespace(fn="mylab.model:net", kwargs=kwargs or {}),
+    )
+
+
+def _plan(peak, memory, state=1, rows=64, per_device=8, mesh=None, row_axes=None):
+    mesh = {"fsdp": 8} if mesh is None else mesh
+    return {
+        "devices": math.prod(mesh.values()),
+        "devices_per_replica": mesh,
+        "peak_bytes_per_device": peak,
+        "state_bytes_per_device": state,
+        "device_memory_bytes": memory,
+        "memory_analysis": {"temp_bytes": peak - state},
+        "batch": {
+            "rows": rows,
+            "replicas": 1,
+            "rows_per_replica": rows,
+            "row_axes": mesh if row_axes is None else row_axes,
+            "splits": True,
+            "rows_per_device": per_device,
+        },
+    }
+
+
+def test_advice_when_the_peak_is_over_or_close_to_the_memory():
+    from distrain._src.train.plan_advice import problems_and_advice
+
+    assert problems_and_advice(_plan(50, 100), _cfg()) == ([], [])
+    assert problems_and_advice(_plan(50, None), _cfg()) == ([], [])
+
+    problems, advice = problems_and_advice(_plan(95, 100), _cfg())
+    assert len(problems) == 1 and "with 5 B to spare" in problems[0] and "10%" in problems[0]
+    assert advice  # what to change, as for a peak over the memory
+
+    problems, advice = problems_and_advice(_plan(300, 100, state=20), _cfg(accum=2))
+    assert problems == [
+        "the step's peak per device (300 B) exceeds --device-memory (100 B) by 200 B: the "
+        "state is 20 B of it, activations, gradients and workspace 280 B."
+    ]
+    assert advice[0].startswith("train.grad_accum_steps=4: the same update in micro-batches")
+    assert advice[1].startswith("data.global_batch_size=32: half the rows per device")
+    assert advice[2].startswith("rematerialization: wrap the model's blocks in jax.checkpoint")
+    assert len(advice) == 3  # 8 rows per device: a tensor axis would not lower the peak
+
+    # One row per device: split each row, on more devices.
+    plan = _plan(300, 100, state=20, rows=64, per_device=1, mesh={"fsdp": 64})
+    _, advice = problems_and_advice(plan, _cfg(kwargs={"remat": "none"}))
+    assert advice[0].startswith("model.kwargs.remat=dots_saveable")
+    assert advice[1].startswith(
+        "one row per device is the fewest the batch gives: to split each row, a tensor axis "
+        "on 8 times the devices, --devices 512 'strategy.devices_per_replica={fsdp: 64, "
+        "tensor: 8}' with layout rules that split the weights over 'tensor'"
+    )
+    assert len(advice) == 2
+
+    # The state alone too large: more devices first; a stronger remat policy; a mesh
+    # that already has a tensor axis gets no tensor advice; one row per device cannot
+    # be halved.
+    plan = _plan(300, 100, state=150, per_device=1, mesh={"fsdp": 4, "tensor": 2})
+    plan["batch"]["row_axes"] = {"fsdp": 4}
+    _, advice = problems_and_advice(plan, _cfg(kwargs={"remat": "dots_saveable"}))
+    assert advice[0].startswith("the state alone (150 B per device) does not fit")
+    assert advice[1].startswith("model.kwargs.remat=nothing_saveable")
+    assert len(advice) == 2

@@ -1,7 +1,10 @@
 """A byte-level transformer LM with dt.Trainer: tokens/s, MFU, held-out loss, samples.
 
-python -m examples.lm.main --config configs/lm_tiny.yaml --out examples/lm
+python -m examples.lm.main --config configs/lm_tiny.yaml --out runs/lm
 python -m examples.lm.main --config configs/lm_gpt2_small.yaml --steps 200   # on a GPU
+
+--out DIR writes result.json and learning_curve.png there: runs/ is not tracked by git,
+whereas examples/lm/ holds the committed result (write there only to replace it).
 
 The config is the one `distrain train --config` reads; the logic is in train.py.
 """

@@ -6,7 +6,8 @@ of the model and optimizer: nothing is allocated) laid out as ``put_replicated``
 an abstract global batch, and compiles the config's ``train_step`` with
 ``strategy.memory_analysis``. It prints, per device, the state's bytes and the compiled
 step's peak (argument + output + temp - alias), and whether that fits
-``--device-memory``.
+``--device-memory``; then where the batch's rows go and, in ``problem:`` and ``to
+change:`` lines, what a user would otherwise have to work out (``plan_advice.py``).
 
 The batch comes from ``data.abstract`` (``{leaf: {shape: [...], dtype: ...}}``, the shape
 of one row) when the config has it, else from the rows of the ``train`` split that
@@ -36,6 +37,8 @@ import time
 from collections.abc import Sequence
 from types import SimpleNamespace
 from typing import Any
+
+from distrain._src.train.plan_advice import flow, gib
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
 _IUNITS = {"ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
@@ -67,9 +70,42 @@ def _check_processes(strategy_cfg: Any, devices: int, processes: int) -> None:
             f"--processes ({processes}) must be a positive divisor of --devices ({devices}): "
             "every process has the same number of devices."
         )
+    _check_devices(strategy_cfg.devices_per_replica, devices)
     per = devices // processes
     records = [SimpleNamespace(process_index=i // per) for i in range(devices)]
     resolve_inner_axes(strategy_cfg.devices_per_replica, records, "replica")
+
+
+def _check_devices(value: Any, devices: int) -> None:
+    """``--devices`` must be a multiple of the config's devices per replica; the error
+    names the override that plans the same layout on ``devices``."""
+    from distrain._src.train.config_errors import ConfigError
+
+    if isinstance(value, dict) and value and all(isinstance(n, int) for n in value.values()):
+        axes = dict(value)
+    elif isinstance(value, int) and not isinstance(value, bool) and value > 1:
+        axes = {"model": value}
+    else:
+        return  # 1, "process" or a value resolve_inner_axes reports
+    k = math.prod(axes.values())
+    if devices % k == 0:
+        return
+    first = next(iter(axes))
+    others = math.prod(n for a, n in axes.items() if a != first)
+    fitted = {a: (devices // others if a == first else n) for a, n in axes.items()}
+    if devices % others:
+        fitted = {first: devices}
+    override = (
+        f"strategy.devices_per_replica={devices if list(fitted) == ['model'] else flow(fitted)}"
+    )
+    shown = value if isinstance(value, int) else flow(axes)
+    raise ConfigError(
+        f"--devices {devices} does not fit the config's strategy.devices_per_replica={shown}: "
+        f"it needs {k} devices per replica, which must divide the number of devices "
+        f"({devices}). To plan this config on {devices} devices, add the override "
+        f"'{override}' ({devices // math.prod(fitted.values())} replica(s) of "
+        f"{math.prod(fitted.values())}), or pass --devices a multiple of {k}."
+    )
 
 
 def _abstract_batch(cfg: Any) -> Any:
@@ -99,22 +135,30 @@ def _abstract_batch(cfg: Any) -> Any:
     }
 
 
-def plan_config(cfg: Any, device_memory: int | None = None) -> dict[str, Any]:
-    """The plan of ``cfg`` on this process's devices (see the module docstring)."""
+def abstract_state(cfg: Any) -> SimpleNamespace:
+    """``cfg``'s strategy on this process's devices and its train state, abstract
+    (``jax.eval_shape``: nothing allocated) and placed as ``put_replicated`` would place
+    it, every layout rule and logical name checked.
+
+    Returns:
+      ``SimpleNamespace(strategy, state, placed, apply_fn)``.
+
+    Raises:
+      ValueError: a layout rule that matches no leaf, a logical name no spec uses, a
+        spec its axes cannot split (the strategy's own errors).
+    """
     import jax
 
     from distrain._src.strategy.layout import path_str
-    from distrain._src.train.accumulation import accumulate_gradients
+    from distrain._src.train.optimizer import build_optimizer
     from distrain._src.train.run import (
         _check_call,
-        _optimizer,
         _split_model,
         build_strategy,
         resolve_callable,
     )
     from distrain._src.train.state import TrainState
 
-    start = time.perf_counter()
     strategy = build_strategy(cfg.strategy)
     model_fn = resolve_callable(cfg.model.fn, "model.fn")
     key = jax.random.key(cfg.seed)
@@ -126,7 +170,7 @@ def plan_config(cfg: Any, device_memory: int | None = None) -> dict[str, Any]:
         return params
 
     params = jax.eval_shape(init, key)
-    tx = _optimizer(cfg.optimizer.name, cfg.optimizer.learning_rate, cfg.optimizer.kwargs)
+    tx, _ = build_optimizer(cfg.optimizer, run_steps=cfg.train.steps)
     policy = cfg.train.policy
     state = jax.eval_shape(
         lambda p, k: TrainState.create(params=p, tx=tx, rng=k, policy=policy),
@@ -134,18 +178,32 @@ def plan_config(cfg: Any, device_memory: int | None = None) -> dict[str, Any]:
         jax.random.PRNGKey(cfg.seed + 1),
     )
     placed = strategy._place_abstract(state)
-    total = per_device = 0
-    for path, x in jax.tree_util.tree_flatten_with_path(placed)[0]:
-        nbytes = math.prod(x.shape) * x.dtype.itemsize
-        total += nbytes
-        shard = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
-        per_device += math.prod(shard) * x.dtype.itemsize
-        del path
     if strategy._layout is not None and strategy._layout.has_rules:
         paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
         strategy._layout.check_all_used(paths)
+    return SimpleNamespace(
+        strategy=strategy, state=state, placed=placed, apply_fn=found["apply_fn"]
+    )
 
-    bind = dict(apply_fn=found["apply_fn"], **cfg.train.step_kwargs)
+
+def plan_config(cfg: Any, device_memory: int | None = None) -> dict[str, Any]:
+    """The plan of ``cfg`` on this process's devices (see the module docstring)."""
+    import jax
+
+    from distrain._src.train.accumulation import accumulate_gradients
+    from distrain._src.train.plan_advice import batch_split, problems_and_advice
+    from distrain._src.train.run import resolve_callable
+
+    start = time.perf_counter()
+    built = abstract_state(cfg)
+    strategy, placed = built.strategy, built.placed
+    total = per_device = 0
+    for x in jax.tree.leaves(placed):
+        total += math.prod(x.shape) * x.dtype.itemsize
+        shard = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
+        per_device += math.prod(shard) * x.dtype.itemsize
+
+    bind = dict(apply_fn=built.apply_fn, **cfg.train.step_kwargs)
     train_fn = resolve_callable(cfg.train.train_step, "train.train_step")
     step: Any = functools.partial(train_fn, **bind)
     if cfg.train.grad_accum_steps > 1:
@@ -155,7 +213,7 @@ def plan_config(cfg: Any, device_memory: int | None = None) -> dict[str, Any]:
         # The Trainer donates the state to each step: the new state reuses its buffers.
         memory = strategy.memory_analysis(step, args=(placed, batch), donate_argnums=0)
     peak = memory["peak_bytes"]
-    return {
+    plan = {
         "config": cfg.name,
         "devices": len(strategy.devices),
         "replicas": strategy.num_replicas_in_sync,
@@ -166,31 +224,41 @@ def plan_config(cfg: Any, device_memory: int | None = None) -> dict[str, Any]:
         "memory_analysis": memory,
         "device_memory_bytes": device_memory,
         "fits": None if device_memory is None else peak <= device_memory,
-        "seconds": round(time.perf_counter() - start, 1),
+        "batch": batch_split(strategy, cfg.data.global_batch_size),
     }
-
-
-def _gib(n: float) -> str:
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return f"{int(n)} B"
+    plan["problems"], plan["advice"] = problems_and_advice(plan, cfg)
+    plan["seconds"] = round(time.perf_counter() - start, 1)
+    return plan
 
 
 def _report(plan: dict[str, Any], processes: int) -> str:
     lines = [
         f"distrain plan: {plan['config']} on {plan['devices']} devices "
         f"({plan['replicas']} replica(s) x {plan['devices_per_replica']})",
-        f"  state, total:            {_gib(plan['state_bytes_total'])}",
-        f"  state per device:        {_gib(plan['state_bytes_per_device'])}",
-        f"  state per process:       {_gib(plan['state_bytes_per_process'])} "
+        f"  state, total:            {gib(plan['state_bytes_total'])}",
+        f"  state per device:        {gib(plan['state_bytes_per_device'])}",
+        f"  state per process:       {gib(plan['state_bytes_per_process'])} "
         f"({processes} process(es))",
-        f"  step peak per device:    {_gib(plan['peak_bytes_per_device'])} "
+        f"  step peak per device:    {gib(plan['peak_bytes_per_device'])} "
         "(XLA:CPU's compiled estimate: arguments + outputs + temporaries - aliased)",
     ]
     if plan["device_memory_bytes"] is not None:
         verdict = "fits" if plan["fits"] else "does NOT fit"
-        lines.append(f"  device memory:           {_gib(plan['device_memory_bytes'])}: {verdict}")
+        lines.append(f"  device memory:           {gib(plan['device_memory_bytes'])}: {verdict}")
+    batch = plan["batch"]
+    where = (
+        f"split over {flow(batch['row_axes'])}"
+        if batch["row_axes"] and batch["splits"]
+        else "whole on every device of a replica"
+        if batch["row_axes"]
+        else "one replica per device"
+    )
+    lines.append(
+        f"  batch rows per device:   {batch['rows_per_device']} "
+        f"({batch['rows']} rows, {batch['rows_per_replica']} per replica, {where})"
+    )
+    lines += [f"  problem: {p}" for p in plan["problems"]]
+    lines += [f"  to change: {a}" for a in plan["advice"]]
     lines.append(f"  planned in {plan['seconds']} s")
     return "\n".join(lines)
 
