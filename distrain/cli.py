@@ -69,6 +69,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     train.add_argument("--no-progress", action="store_true", help="no progress bar")
     train.add_argument(
+        "--verbose",
+        action="store_true",
+        help="let the INFO logs of orbax and MLflow through (also: DISTRAIN_VERBOSE=1)",
+    )
+    train.add_argument(
         "--debug",
         action="store_true",
         help="show the full traceback of an error (also: DISTRAIN_DEBUG=1)",
@@ -108,10 +113,13 @@ _USER_ERRORS = (ValueError, TypeError, OSError, ImportError)
 
 
 def _train(args: argparse.Namespace) -> int:
+    from distrain._src import verbosity
     from distrain._src.train.config import config_to_dict, load_config
     from distrain._src.train.config_errors import ConfigError
 
     debug = _debug_wanted(args)
+    if args.verbose or verbosity.verbose():
+        verbosity.enable()  # the libraries' INFO logs on stderr, here and in child processes
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:

@@ -152,3 +152,26 @@ def test_a_bad_mode_is_refused(mirrored):
 
 def test_device_memory_has_a_cpu_fallback(mirrored):
     assert _input.device_memory_bytes(mirrored) > 2**20
+
+
+def forgot_metrics(state, batch):
+    return train_step(state, batch)[0]  # the state only
+
+
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"input_mode": "device"},
+        {"input_mode": "host"},
+        {"input_mode": "device", "steps_per_execution": 2},
+        {"input_mode": "device", "grad_accum_steps": 2},
+        {"input_mode": "host", "grad_accum_steps": 2},
+    ],
+    ids=["device", "host", "device_k2", "device_accum", "host_accum"],
+)
+def test_errors_name_the_users_step_not_a_wrapper(mirrored, kw):
+    # The device-input gather and gradient accumulation wrap the step; an error about
+    # what it returns names the user's function, as the docs promise.
+    with pytest.raises(TypeError) as e:
+        dt.Trainer(mirrored, forgot_metrics, **kw).fit(new_state(), pipe(), steps=2)
+    assert str(e.value).startswith("`forgot_metrics` must return a tuple (new_state, metrics)")

@@ -44,6 +44,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 from orbax.checkpoint import checkpoint_managers as ocp_policies
 
+from distrain._src import verbosity
 from distrain._src.checkpoint import _directory, _errors, _fingerprint, _layout, _restore
 from distrain._src.checkpoint import _orbax_internals as _internals
 from distrain._src.checkpoint._layout import CheckpointCorruptionError, LeafInfo, PyTree
@@ -110,6 +111,7 @@ class CheckpointManager:
     ) -> None:
         self._max_to_keep = optional_positive_int("max_to_keep", max_to_keep)
         self._interval = positive_int("save_interval_steps", save_interval_steps)
+        verbosity.quiet_orbax()  # orbax's INFO log of every save: only with DISTRAIN_VERBOSE
         checked = _directory.check_directory_arg(directory, "CheckpointManager")
         self._directory = epath.Path(checked).absolute()
         _directory.check_writable(self._directory)

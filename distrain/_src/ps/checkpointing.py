@@ -21,6 +21,7 @@ from typing import Any
 
 import orbax.checkpoint as ocp
 
+from distrain._src import verbosity
 from distrain._src.ps.servers import ServerGroup
 
 
@@ -42,6 +43,7 @@ def save(group: ServerGroup, directory: str) -> int:
     states = group.get_state()
     step = int(states[0]["version"])
     directory = os.path.abspath(directory)
+    verbosity.quiet_orbax()
     with ocp.CheckpointManager(directory) as manager:
         if step in manager.all_steps():
             return step  # nothing was applied since that save
@@ -59,6 +61,7 @@ def save(group: ServerGroup, directory: str) -> int:
 def restore(group: ServerGroup, directory: str, step: int | None = None) -> int:
     """Loads every server's state from ``directory`` (latest step by default)."""
     directory = os.path.abspath(directory)
+    verbosity.quiet_orbax()
     with ocp.CheckpointManager(directory) as manager:
         steps = manager.all_steps()
         if not steps:

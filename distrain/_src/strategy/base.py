@@ -141,11 +141,6 @@ class Strategy(abc.ABC):
         self._replicated = NamedSharding(self._mesh, P())
         # Stacked per-replica results: one row per replica, whole on each of its devices.
         self._stacked = NamedSharding(self._mesh, P(self.axis_name))
-        # Global batches: replica i's rows, split over replica i's devices (in mesh
-        # order, so each process's devices hold a contiguous block of rows).
-        self._split = NamedSharding(
-            self._mesh, P((self.axis_name, *inner) if inner else self.axis_name)
-        )
         # Where state lives: whole on every device (None), or a Layout over the inner
         # axes (here) or over the replicas (shard_state, below).
         self._layout: _layout.Layout | None = None
@@ -160,8 +155,18 @@ class Strategy(abc.ABC):
                 axes=tuple(inner),
                 logical_axis_rules=logical_axis_rules,
             )
+        # Global batches: replica i's rows, split over replica i's devices (in mesh
+        # order, so each process's devices hold a contiguous block of rows), whole over
+        # the model axes of its layout ("tensor": replica_mesh.row_axes).
+        model_axes = self._layout.model_axes if self._layout is not None else frozenset()
+        self._row_axes = replica_mesh.row_axes(self._mesh, self.axis_name, model_axes)
+        self._split = NamedSharding(
+            self._mesh, P((self.axis_name, *self._row_axes) if inner else self.axis_name)
+        )
         self._batch_layout = (
-            None if batch_layout is None else BatchLayout(self._mesh, self.axis_name, batch_layout)
+            None
+            if batch_layout is None
+            else BatchLayout(self._mesh, self.axis_name, batch_layout, row_axes=self._row_axes)
         )
         self._compiler = ReplicaCompiler(self, max_in_flight)
 
@@ -395,19 +400,21 @@ class Strategy(abc.ABC):
 
     def batch_sharding(self, rows: int) -> NamedSharding:
         """Where a global batch of ``rows`` rows lives: replica ``i``'s rows on replica
-        ``i``, split over its devices when they divide evenly (else whole on each).
+        ``i``, split over its devices when they divide evenly (else whole on each); whole
+        over a model axis of the layout (``"tensor"``, ``"stage"``: each of its devices
+        computes a part of the same rows).
 
         Raises:
           ValueError: a replica spans processes and its rows do not divide over its
             devices (each process feeds only its own devices' rows).
         """
-        k = self._devices_per_replica
+        k = math.prod(self._mesh.shape[a] for a in self._row_axes)
         if k == 1 or (rows // self.num_replicas_in_sync) % k == 0:
             return self._split
         if self._spans_processes:
             raise ValueError(
-                f"A replica spans {k} devices of several processes, so each of its rows "
-                f"lives on one device: the rows per replica "
+                f"A replica spans several processes, so its rows split {k} ways over its "
+                f"devices (axes {list(self._row_axes)}): the rows per replica "
                 f"({rows} // {self.num_replicas_in_sync} = {rows // self.num_replicas_in_sync}) "
                 f"must be divisible by {k}. Use a global batch size divisible by "
                 f"{k * self.num_replicas_in_sync}."

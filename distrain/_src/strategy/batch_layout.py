@@ -9,7 +9,8 @@ over ``"context"``::
 
 Keys are regular expressions searched in a leaf's path (``"tokens"``, ``"inputs/ids"``);
 a spec's first entry stands for the rows and must be ``None`` (the strategy splits the
-rows: over the replicas and the inner axes the spec does not use), the others name
+rows: over the replicas and the inner axes the spec does not use, model axes such as
+``"tensor"`` aside), the others name
 inner axes. It is part of the replica's layout, like ``layout``, so every input path
 follows it: batches from the host, datasets kept on the devices (a constraint inside
 the step), and abstract batches for ``memory_analysis``.
@@ -34,6 +35,8 @@ class BatchLayout:
       mesh: the strategy's mesh ``("replica", *inner)``.
       replica_axis: its replica axis.
       rules: ``{path pattern: PartitionSpec}``.
+      row_axes: the inner axes rows split over (default: all of them; the strategy
+        leaves out its model axes, ``replica_mesh.row_axes``).
 
     Raises:
       ValueError: a pattern that is not a regular expression, a spec that is not a
@@ -41,7 +44,14 @@ class BatchLayout:
         replica lacks.
     """
 
-    def __init__(self, mesh: Mesh, replica_axis: str, rules: Mapping[str, Any]) -> None:
+    def __init__(
+        self,
+        mesh: Mesh,
+        replica_axis: str,
+        rules: Mapping[str, Any],
+        *,
+        row_axes: Sequence[str] | None = None,
+    ) -> None:
         if not isinstance(rules, Mapping):
             raise ValueError(
                 "`batch_layout` must map leaf path patterns to PartitionSpecs, e.g. "
@@ -49,6 +59,7 @@ class BatchLayout:
             )
         self._mesh, self._replica = mesh, replica_axis
         self._inner = [a for a in mesh.axis_names if a != replica_axis]
+        self._row_axes = list(self._inner if row_axes is None else row_axes)
         self._rules = [(_compile(k), k, self._check(k, v)) for k, v in rules.items()]
 
     def _check(self, pattern: str, spec: Any) -> P:
@@ -111,7 +122,7 @@ class BatchLayout:
 
     def _free(self, spec: P) -> tuple[str, ...]:
         named = {n for e in spec[1:] for n in (e if isinstance(e, tuple) else (e,))}
-        return tuple(a for a in self._inner if a not in named)
+        return tuple(a for a in self._row_axes if a not in named)
 
     def _spec(self, pattern: str, spec: P, path: str, shape: tuple[int, ...], rows: int) -> P:
         if len(spec) > len(shape):

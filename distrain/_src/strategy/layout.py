@@ -133,6 +133,13 @@ class Layout:
     def has_rules(self) -> bool:
         return bool(self._rules)
 
+    @property
+    def model_axes(self) -> frozenset[str]:
+        """The axes that rules split weights over, the FSDP axis aside: model-parallel
+        axes (``"tensor"``, ``"stage"``), whose devices compute different parts of the
+        same rows (the strategy keeps a batch's rows whole over them)."""
+        return frozenset(a for r in self._rules for a in _flat(r.spec)) - {self.axis}
+
     def sharding(self, shape: tuple[int, ...], path: str = "") -> NamedSharding:
         """The sharding of a state leaf of ``shape`` at ``path``.
 

@@ -21,6 +21,7 @@ an error that says what was expected instead of a failure deep inside the trace.
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,9 @@ Step = Callable[..., Any]
 
 
 def _name(fn: Any) -> str:
+    """The user's name for a step: through the framework's wrappers (``__wrapped__``,
+    e.g. the device-input gather, gradient accumulation) and ``functools.partial``."""
+    fn = inspect.unwrap(fn)
     name = getattr(fn, "__name__", None) or getattr(getattr(fn, "func", None), "__name__", "step")
     return str(name)
 
@@ -50,6 +54,21 @@ def _describe_tree(tree: Any) -> str:
     return text if len(text) < 300 else text[:300] + "..."
 
 
+def check_pair(step: Step, out: Any) -> tuple[Any, Any]:
+    """``out`` as ``(new_state, metrics)``.
+
+    Raises:
+      TypeError: ``out`` is not a pair; the message names the user's step.
+    """
+    if not isinstance(out, tuple) or len(out) != 2:
+        got = f"a tuple of length {len(out)}" if isinstance(out, tuple) else type(out).__name__
+        raise TypeError(
+            f"`{_name(step)}` must return a tuple (new_state, metrics): the updated state and "
+            f"a dict of scalar metrics. Received: {got}."
+        )
+    return out[0], out[1]
+
+
 def check_train_output(step: Step, state: Any, out: Any) -> tuple[Any, dict[str, Any]]:
     """Validates ``out = train_step(state, batch)``; returns ``(new_state, metrics)``.
 
@@ -58,13 +77,7 @@ def check_train_output(step: Step, state: Any, out: Any) -> tuple[Any, dict[str,
         like ``state`` and ``metrics`` a dict of scalars / metrics.
     """
     name = _name(step)
-    if not isinstance(out, tuple) or len(out) != 2:
-        got = f"a tuple of length {len(out)}" if isinstance(out, tuple) else type(out).__name__
-        raise TypeError(
-            f"`{name}` must return a tuple (new_state, metrics): the updated state and a dict "
-            f"of scalar metrics. Received: {got}."
-        )
-    new_state, metrics = out
+    new_state, metrics = check_pair(step, out)
     expected, received = jax.tree.structure(state), jax.tree.structure(new_state)
     # The ignores: jaxlib ships no stubs for PyTreeDef, so mypy cannot see its
     # __eq__/__ne__ (structures compare by value at runtime).

@@ -29,6 +29,7 @@ choice is ``trainer.input_mode`` after ``fit`` starts.
 
 from __future__ import annotations
 
+import functools
 import os
 import weakref
 from collections.abc import Callable, Iterable, Mapping
@@ -115,6 +116,8 @@ def _gathering(
 ) -> Callable[..., Any]:
     mask_key = batches.mask_key
 
+    # The user's name (and __wrapped__): errors about what the step returns name it.
+    @functools.wraps(train_step)
     def step(state: Any, batch: Any) -> Any:
         arrays, ids = batch
         leaves = [jnp.take(a, ids[_ROW], axis=0) for a in arrays]
@@ -130,7 +133,6 @@ def _gathering(
         assert layout is not None
         return train_step(state, layout(batches.unflatten(leaves, mask)))
 
-    step.__name__ = f"gather_{getattr(train_step, '__name__', 'step')}"
     return step
 
 

@@ -21,6 +21,7 @@ make the result equal one step on the whole batch:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -30,6 +31,7 @@ import jax.numpy as jnp
 from distrain._src import context
 from distrain._src.context import MicroSteps
 from distrain._src.padding import MASK_KEY
+from distrain._src.train import _functions
 from distrain._src.train import metrics as metrics_lib
 from distrain._src.train.state import TrainState
 from distrain._src.validate import positive_int
@@ -64,6 +66,7 @@ def accumulate_gradients(
     if steps == 1:
         return train_step
 
+    @functools.wraps(train_step)  # errors name the user's step
     def step(state: Any, batch: Any) -> tuple[Any, Any]:
         if not isinstance(state, TrainState):
             raise TypeError(
@@ -94,7 +97,8 @@ def accumulate_gradients(
         def body(carry: Any, mb: Any) -> tuple[Any, Any]:
             st, acc = carry
             with context._enter_replica(micro_ctx), context._recording_shares():
-                new, metrics = train_step(st.replace(accumulating=True), mb)
+                out = train_step(st.replace(accumulating=True), mb)
+                new, metrics = _functions.check_pair(train_step, out)
                 metrics = _as_metrics(metrics)
             if not isinstance(new, TrainState) or new.micro_grads is None:
                 raise ValueError(
@@ -109,7 +113,6 @@ def accumulate_gradients(
         merged = jax.tree.map(lambda m: jnp.sum(m, 0), metrics)
         return state.apply_gradients(grads=grads), merged
 
-    step.__name__ = f"accumulate_{steps}_{getattr(train_step, '__name__', 'step')}"
     return step
 
 

@@ -37,6 +37,7 @@ from typing import Any, final
 
 import jax
 
+from distrain._src import verbosity
 from distrain._src.train.callbacks.base import Callback, Logs, StepInfo
 from distrain._src.train.callbacks.checkpointing import ModelCheckpoint
 from distrain._src.train.callbacks.logging import _chief
@@ -335,6 +336,7 @@ class MLflowLogger(_Tracker):
         from mlflow.entities import Param, RunStatus
         from mlflow.tracking import MlflowClient
 
+        verbosity.quiet_mlflow()  # its INFO lines on creating a SQL store's tables
         self.client = client = _open_store(MlflowClient, self.tracking_uri)
         if resume_id is not None:
             try:
