@@ -10,7 +10,14 @@ import yaml
 
 from distrain._src.train.config import apply_overrides, config_from_dict
 from distrain._src.train.run import _optimizer, _split_model, build_strategy
-from distrain.config import ConfigError, RunConfig, load_config, resolve_callable
+from distrain.config import (
+    ConfigError,
+    OptimizerConfig,
+    RunConfig,
+    build_optimizer,
+    load_config,
+    resolve_callable,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = sorted(glob.glob(os.path.join(ROOT, "configs", "*.yaml")))
@@ -36,7 +43,7 @@ def test_every_shipped_config_loads_and_builds(path, devices):
     resolve_callable(cfg.train.train_step, "train.train_step")
     if cfg.train.eval_step:
         resolve_callable(cfg.train.eval_step, "train.eval_step")
-    _optimizer(cfg.optimizer.name, cfg.optimizer.learning_rate, cfg.optimizer.kwargs)
+    build_optimizer(cfg.optimizer, run_steps=cfg.train.steps)
     dpr = cfg.strategy.devices_per_replica
     if isinstance(dpr, dict) and math.prod(dpr.values()) > len(devices):  # a cluster's mesh
         from types import SimpleNamespace
@@ -222,9 +229,14 @@ def test_the_configs_in_the_docs_are_valid_and_the_reference_lists_every_field()
 
     with open(os.path.join(ROOT, "docs", "getting_started.md")) as f:
         text = f.read()
-    reference, custom = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S)]
+    blocks = [yaml.safe_load(b) for b in re.findall(r"```yaml\n(.*?)```", text, re.S)]
+    (recipe_optimizer,) = [b for b in blocks if set(b) == {"optimizer"}]
+    reference, custom = [b for b in blocks if b is not recipe_optimizer]
     for data in (reference, custom):
         config_from_dict(data)
+    # The optimizer section shown is configs/shakespeare_char.yaml's.
+    recipe = load_config(os.path.join(ROOT, "configs", "shakespeare_char.yaml"))
+    assert OptimizerConfig.model_validate(recipe_optimizer["optimizer"]) == recipe.optimizer
     # The reference is configs/quickstart.yaml, annotated, and names every field.
     quickstart = load_config(os.path.join(ROOT, "configs", "quickstart.yaml"))
     assert config_from_dict(reference) == quickstart

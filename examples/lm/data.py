@@ -14,6 +14,11 @@
   overlapping by one byte, so each byte after the first is a target exactly once.
   Inputs are ``row[:-1]``, targets ``row[1:]``.
 
+* :func:`pack_stream`: one text -> rows of ``seq_len`` inputs and targets in which every
+  byte after the first is a target exactly once, the last row padded (segment id 0)
+  rather than dropped: a held-out loss over the whole text
+  (``tinyshakespeare_splits(whole_test=True)``).
+
 * :func:`pack_documents`: documents -> rows of exactly ``seq_len`` tokens, several
   documents per row, each with its own segment id (0 = padding) and positions that
   restart at 0: attention never crosses a document (``segment_ids`` to the
@@ -62,6 +67,7 @@ __all__ = [
     "load_tinyshakespeare",
     "pack",
     "pack_documents",
+    "pack_stream",
     "real_text_fraction",
     "stdlib_packed_splits",
     "python_corpus",
@@ -394,9 +400,56 @@ def load_tinyshakespeare(
     return {"train": raw[:cut], "test": raw[cut:]}
 
 
+def pack_stream(text: bytes, seq_len: int) -> dict[str, np.ndarray]:
+    """One text -> rows in which every byte after the first is a target exactly once.
+
+    Inputs ``text[:-1]`` and targets ``text[1:]`` cut into rows of ``seq_len``, as
+    :func:`pack_documents` lays rows out (``{"inputs", "targets", "segment_ids",
+    "positions"}``, ``[rows, seq_len]``); the last row is padded (segment id 0, weight 0
+    in the loss) instead of dropped, so a mean over these rows is the mean over the
+    whole text.
+
+    Raises:
+      ValueError: ``seq_len < 1``, or a text of fewer than 2 bytes.
+
+    Example:
+      >>> pack_stream(b"abcd", 2)["segment_ids"]
+      array([[1, 1],
+             [1, 0]], dtype=int16)
+    """
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len must be a positive int; received seq_len={seq_len!r}.")
+    stream = np.frombuffer(text, dtype=np.uint8)
+    n = stream.size - 1  # targets
+    if n < 1:
+        raise ValueError(f"pack_stream needs a text of at least 2 bytes. Received {stream.size}.")
+    rows = -(-n // seq_len)
+    pad = np.zeros(rows * seq_len - n, np.uint8)
+    ids = np.int16 if seq_len <= np.iinfo(np.int16).max else np.int32
+    segment_ids = np.ones(rows * seq_len, ids)
+    segment_ids[n:] = 0
+    return {
+        "inputs": np.concatenate([stream[:-1], pad]).reshape(rows, seq_len),
+        "targets": np.concatenate([stream[1:], pad]).reshape(rows, seq_len),
+        "segment_ids": segment_ids.reshape(rows, seq_len),
+        "positions": np.tile(np.arange(seq_len, dtype=ids), (rows, 1)),
+    }
+
+
 def tinyshakespeare_splits(
-    seq_len: int = 128, **kwargs: object
+    seq_len: int = 128, *, whole_test: bool = False, **kwargs: object
 ) -> dict[str, dict[str, np.ndarray]]:
-    """``data.fn`` for ``distrain train`` on TinyShakespeare (downloads ~1.1 MB once)."""
+    """``data.fn`` for ``distrain train`` on TinyShakespeare (downloads ~1.1 MB once).
+
+    Args:
+      seq_len: tokens per row.
+      whole_test: the held-out split as :func:`pack_stream` rows (every held-out target
+        once; the held-out loss is over the whole split) instead of :func:`pack` rows
+        (the tail that fills no row, under ``seq_len`` bytes, dropped).
+      **kwargs: for :func:`load_tinyshakespeare` (``cache_dir``, ``url``, ...).
+    """
     text = load_tinyshakespeare(**kwargs)  # type: ignore[arg-type]
-    return {name: {"tokens": pack([t], seq_len)} for name, t in text.items()}
+    out = {name: {"tokens": pack([t], seq_len)} for name, t in text.items()}
+    if whole_test:
+        out["test"] = pack_stream(text["test"], seq_len)
+    return out

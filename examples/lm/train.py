@@ -186,8 +186,11 @@ class Settings:
     global_batch_size: int = 32
     eval_batch_size: int | None = None
     optimizer: str = "adamw"
-    learning_rate: float = 3e-3
+    learning_rate: float | None = 3e-3  # None with a schedule
     optimizer_kwargs: dict[str, Any] = dataclasses.field(default_factory=dict)
+    schedule: dict[str, Any] | None = None  # the config's optimizer.schedule: {name, kwargs}
+    clip_global_norm: float | None = None
+    weight_decay_mask: str | None = None  # "ndim >= 2"
     steps: int = 300
     eval_every: int = 50
     log_every: int = 10
@@ -223,8 +226,11 @@ def settings_from_config(path: str, overrides: list[str] | tuple[str, ...] = ())
         global_batch_size=cfg.data.global_batch_size,
         eval_batch_size=cfg.data.eval_batch_size,
         optimizer=cfg.optimizer.name,
-        learning_rate=cfg.optimizer.learning_rate,
+        learning_rate=None if cfg.optimizer.schedule else cfg.optimizer.learning_rate,
         optimizer_kwargs=dict(cfg.optimizer.kwargs),
+        schedule=cfg.optimizer.schedule.model_dump() if cfg.optimizer.schedule else None,
+        clip_global_norm=cfg.optimizer.clip_global_norm,
+        weight_decay_mask=cfg.optimizer.weight_decay_mask,
         steps=cfg.train.steps,
         log_every=cfg.train.log_every,
         steps_per_execution=cfg.train.steps_per_execution,
@@ -244,11 +250,36 @@ def _layout(value: Any) -> Any:
     return value
 
 
+def make_optimizer(s: Settings) -> optax.GradientTransformation:
+    """The optimizer as ``distrain train`` builds it from the same config section
+    (``dt.config.build_optimizer``: a schedule, gradient clipping, a weight-decay mask).
+
+    Raises:
+      ValueError: both ``learning_rate`` and ``schedule`` set, or neither.
+    """
+    if (s.learning_rate is None) == (s.schedule is None):
+        raise ValueError(
+            "Settings needs exactly one of learning_rate and schedule. Received: "
+            f"learning_rate={s.learning_rate!r}, schedule={s.schedule!r}."
+        )
+    section: dict[str, Any] = {
+        "name": s.optimizer,
+        "kwargs": s.optimizer_kwargs,
+        "clip_global_norm": s.clip_global_norm,
+        "weight_decay_mask": s.weight_decay_mask,
+    }
+    if s.schedule is not None:
+        section["schedule"] = s.schedule
+    else:
+        section["learning_rate"] = s.learning_rate
+    cfg = dt.config.OptimizerConfig.model_validate(section)
+    return dt.config.build_optimizer(cfg, run_steps=s.steps)[0]
+
+
 def init_state(s: Settings) -> tuple[ApplyFn, dt.TrainState]:
     """``(apply_fn, state)``: the model split once, its params a pure dict in the state."""
     graphdef, params = nnx.split(Transformer(s.model, rngs=nnx.Rngs(s.seed)))
-    tx = getattr(optax, s.optimizer)(s.learning_rate, **s.optimizer_kwargs)
-    state = dt.TrainState.create(params=nnx.to_pure_dict(params), tx=tx)
+    state = dt.TrainState.create(params=nnx.to_pure_dict(params), tx=make_optimizer(s))
     return make_apply_fn(graphdef), state
 
 

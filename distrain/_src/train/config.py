@@ -39,6 +39,7 @@ __all__ = [
     "ModelConfig",
     "OptimizerConfig",
     "RunConfig",
+    "ScheduleConfig",
     "StrategyConfig",
     "TrainConfig",
     "WandbConfig",
@@ -188,19 +189,85 @@ class DataConfig(_Section):
     abstract: dict[str, LeafShape] | None = None
 
 
+_DEFAULT_LEARNING_RATE = 1e-3
+
+
+class ScheduleConfig(_Section):
+    """An optax schedule of the step: ``getattr(optax.schedules, name)(**kwargs)``.
+
+    Attributes:
+      name: an optax schedule, e.g. ``warmup_cosine_decay_schedule``,
+        ``cosine_decay_schedule``, ``linear_schedule``, ``exponential_decay``.
+      kwargs: its keyword arguments, e.g. ``{init_value: 0.0, peak_value: 1.0e-3,
+        warmup_steps: 100, decay_steps: 2000, end_value: 1.0e-4}``.
+    """
+
+    name: str = Field(description="an optax schedule, e.g. warmup_cosine_decay_schedule")
+    kwargs: dict[str, Any] = {}
+
+    @pydantic.model_validator(mode="after")
+    def _step_counts_are_non_negative_ints(self) -> ScheduleConfig:
+        for key, value in self.kwargs.items():
+            # optax's step counts: warmup_steps, decay_steps, transition_steps, ...
+            if not (key.endswith("steps") or key == "transition_begin"):
+                continue
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(
+                    f"Config field 'optimizer.schedule.kwargs.{key}' must be an int >= 0 (a "
+                    f"number of steps). Received: {value!r}."
+                )
+        return self
+
+
 class OptimizerConfig(_Section):
     """An optax optimizer: ``getattr(optax, name)(learning_rate, **kwargs)``.
 
+    With ``clip_global_norm``: ``optax.chain(optax.clip_by_global_norm(c), optimizer)``.
+
     Attributes:
       name: an optax function, e.g. ``adam``, ``adamw``, ``sgd``.
-      learning_rate: the (constant) learning rate.
-      kwargs: other keyword arguments, e.g. ``{b1: 0.9}``.
+      learning_rate: the constant learning rate (without ``schedule``).
+      kwargs: other keyword arguments, e.g. ``{b1: 0.9, weight_decay: 0.1}``.
+      schedule: the learning rate as an optax schedule of the step instead of a
+        constant (``None``: ``learning_rate``); ``distrain train`` logs its value as
+        ``learning_rate``. ``learning_rate`` is then unused: setting it to anything
+        but its default is an error (a dumped config, which holds the default, reloads).
+      clip_global_norm: clip the gradients to this global norm before the optimizer
+        (``None``: no clipping).
+      weight_decay_mask: which parameters decay (optax's ``mask=``): ``"ndim >= 2"``
+        (weight matrices and embeddings; not biases or norm scales, as GPT recipes do)
+        or ``None`` (optax's default: all). Only for optimizers with weight decay.
     """
 
     name: str = "adam"
     # A negative rate ascends the loss, zero trains nothing: both exit "successfully".
-    learning_rate: float = Field(default=1e-3, gt=0, allow_inf_nan=False)
+    learning_rate: float = Field(default=_DEFAULT_LEARNING_RATE, gt=0, allow_inf_nan=False)
     kwargs: dict[str, Any] = {}
+    schedule: ScheduleConfig | None = None
+    clip_global_norm: float | None = Field(default=None, gt=0, allow_inf_nan=False)
+    weight_decay_mask: Literal["ndim >= 2"] | None = None
+
+    @pydantic.model_validator(mode="after")
+    def _one_learning_rate(self) -> OptimizerConfig:
+        if self.schedule is not None and self.learning_rate != _DEFAULT_LEARNING_RATE:
+            raise ConfigError(
+                "Config fields 'optimizer.learning_rate' and 'optimizer.schedule' both set the "
+                f"learning rate. Received: optimizer.learning_rate={self.learning_rate!r} and "
+                f"optimizer.schedule.name={self.schedule.name!r}. Remove learning_rate (the "
+                "schedule's values are the learning rate) or remove the schedule."
+            )
+        return self
+
+    def check_warmup(self, run_steps: int, run: str) -> None:
+        """Raises ConfigError if ``schedule.kwargs.warmup_steps`` exceeds the run's
+        ``run_steps`` (``run`` says where that number comes from)."""
+        warmup = self.schedule.kwargs.get("warmup_steps") if self.schedule is not None else None
+        if isinstance(warmup, int) and warmup > run_steps:
+            raise ConfigError(
+                f"Config field 'optimizer.schedule.kwargs.warmup_steps' ({warmup}) is longer "
+                f"than the run ({run}), so the learning rate would never reach its peak. Use "
+                f"warmup_steps <= {run_steps} or a longer run."
+            )
 
 
 class TrainConfig(_Section):
@@ -360,6 +427,14 @@ class RunConfig(_Section):
     @classmethod
     def _empty_section_is_defaults(cls, value: Any) -> Any:
         return {} if value is None else value  # `logging:` with nothing under it
+
+    @pydantic.model_validator(mode="after")
+    def _warmup_fits_the_run(self) -> RunConfig:
+        schedule, steps = self.optimizer.schedule, self.train.steps
+        if schedule is None or steps is None:
+            return self  # a run of epochs: run_config checks once the data says how long
+        self.optimizer.check_warmup(steps, f"train.steps is {steps}")
+        return self
 
 
 # ----------------------------------------------------------------- dicts and overrides

@@ -120,7 +120,9 @@ def translate(error: pydantic.ValidationError, root: type[pydantic.BaseModel]) -
     messages: list[str] = []
     fields: dict[str, tuple[FieldInfo, list[ErrorDetails]]] = {}
     for e in error.errors():
-        if not e["loc"]:  # the root has no checks of its own: only "not a mapping" is here
+        if not e["loc"]:  # the root's own check (across sections), or "not a mapping"
+            if e["type"] == "value_error":
+                return ConfigError(str(e["ctx"]["error"]))
             value = e["input"]
             return ConfigError(
                 "A config must be a mapping of keys to values. "

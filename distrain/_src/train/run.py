@@ -159,21 +159,10 @@ def build_strategy(cfg: StrategyConfig) -> Strategy:
 
 
 def _optimizer(name: str, learning_rate: float, kwargs: Mapping[str, Any]) -> Any:
-    import optax
+    """``getattr(optax, name)(learning_rate, **kwargs)`` (``optimizer.optimizer_by_name``)."""
+    from distrain._src.train.optimizer import optimizer_by_name
 
-    fn = getattr(optax, name, None)
-    if not callable(fn):
-        names = [n for n in dir(optax) if not n.startswith("_") and n.islower()]
-        close = difflib.get_close_matches(name, names, n=1)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise ConfigError(
-            f"Config field 'optimizer.name': optax has no optimizer {name!r}.{hint} "
-            "Examples: adam, adamw, sgd, rmsprop."
-        )
-    try:
-        return fn(learning_rate, **kwargs)
-    except TypeError as e:
-        raise ConfigError(f"Config section 'optimizer': optax.{name}(...) failed: {e}.") from e
+    return optimizer_by_name(name, learning_rate, kwargs)
 
 
 def _check_divisible(field: str, batch: int, num_replicas: int) -> None:
@@ -336,11 +325,13 @@ def _trackers(cfg: RunConfig, keep: Any) -> list[Any]:
     return out
 
 
-def _split_model(model: Any) -> tuple[Callable[[Any, jax.Array], jax.Array], Any]:
+def _split_model(model: Any) -> tuple[Callable[..., jax.Array], Any]:
     """``(apply_fn, params)`` from an ``nnx.Module`` or an ``(apply_fn, params)`` pair.
 
     ``params`` is a plain nested dict of arrays (``nnx.to_pure_dict``), which
-    checkpoints and restores without any flax types.
+    checkpoints and restores without any flax types. A module's ``apply_fn(params, x,
+    *args, **kwargs)`` passes every input on to its ``__call__`` (e.g. the LM's
+    ``segment_ids`` and ``positions`` for packed rows).
 
     Raises:
       TypeError: for anything else, saying what a model function must return.
@@ -349,7 +340,11 @@ def _split_model(model: Any) -> tuple[Callable[[Any, jax.Array], jax.Array], Any
 
     if isinstance(model, nnx.Module):
         graphdef, state = nnx.split(model)
-        return (lambda params, x: nnx.merge(graphdef, params)(x)), nnx.to_pure_dict(state)
+
+        def apply_fn(params: Any, x: Any, *args: Any, **kwargs: Any) -> jax.Array:
+            return nnx.merge(graphdef, params)(x, *args, **kwargs)
+
+        return apply_fn, nnx.to_pure_dict(state)
     if isinstance(model, tuple) and len(model) == 2 and callable(model[0]):
         return model[0], model[1]
     raise TypeError(
@@ -360,7 +355,7 @@ def _split_model(model: Any) -> tuple[Callable[[Any, jax.Array], jax.Array], Any
 
 def _init_model(
     model_fn: Callable[..., Any], key: jax.Array, **kwargs: Any
-) -> tuple[Callable[[Any, jax.Array], jax.Array], Any]:
+) -> tuple[Callable[..., jax.Array], Any]:
     """``_split_model(model_fn(key=key, **kwargs))``, initialised in one compiled call.
 
     Building a model eagerly compiles every initializer separately (dozens of small
@@ -396,6 +391,8 @@ def run_config(
         that does not divide over the replicas, data that cannot be loaded (MNIST
         offline).
     """
+    from distrain._src.train.optimizer import LearningRateLogger, build_optimizer
+    from distrain._src.train.progress import steps_per_epoch_of
     from distrain._src.train.state import TrainState
     from distrain._src.train.trainer import Trainer
 
@@ -412,7 +409,7 @@ def run_config(
         apply_fn, params = _init_model(model_fn, key, **cfg.model.kwargs)
     except TypeError as e:
         raise ConfigError(f"Config field 'model.fn': {e}") from e
-    tx = _optimizer(cfg.optimizer.name, cfg.optimizer.learning_rate, cfg.optimizer.kwargs)
+    tx, schedule = build_optimizer(cfg.optimizer, run_steps=cfg.train.steps)
     # One compiled call instead of one small program per optimizer-state leaf. The RNG
     # is a raw uint32[2] key: typed key arrays cannot yet be placed across processes.
     policy = cfg.train.policy
@@ -423,6 +420,10 @@ def run_config(
     data_fn = resolve_callable(cfg.data.fn, "data.fn")
     _check_call(data_fn, "data", cfg.data.fn, **cfg.data.kwargs)
     data = _pipelines(cfg, _load_data(cfg, data_fn), strategy.num_replicas_in_sync)
+    per_epoch = steps_per_epoch_of(data["train"])
+    if cfg.train.steps is None and cfg.train.epochs is not None and per_epoch is not None:
+        run = f"train.epochs={cfg.train.epochs} x {per_epoch} steps per epoch"
+        cfg.optimizer.check_warmup(cfg.train.epochs * per_epoch, run)
 
     bind = dict(apply_fn=apply_fn, **cfg.train.step_kwargs)
     train_fn = resolve_callable(cfg.train.train_step, "train.train_step")
@@ -444,7 +445,12 @@ def run_config(
         strategy,
         train_step,
         eval_step,
-        callbacks=[*_callbacks(cfg, progress_bar), *callbacks],
+        # The schedule's value joins the logs before the loggers write them.
+        callbacks=[
+            *([LearningRateLogger(schedule)] if schedule is not None else []),
+            *_callbacks(cfg, progress_bar),
+            *callbacks,
+        ],
         steps_per_execution=cfg.train.steps_per_execution,
         log_every=cfg.train.log_every,
         grad_accum_steps=cfg.train.grad_accum_steps,
