@@ -49,6 +49,18 @@ def plot_timeline(r: Report, path: str) -> None:
         for t, _ in a.saves:
             ax.plot([t - t0] * 2, [y - 0.4, y + 0.4], color="black", lw=0.8)
         if not a.finished and i + 1 < n:
+            # Lost work: from the record of the step the next attempt resumed from.
+            resume = r.attempts[i + 1].resumed_from or 0
+            kept = [t for t, s, _ in a.records if s is not None and s <= resume]
+            lost_from = kept[-1] if kept else a.start
+            ax.broken_barh(
+                [(lost_from - t0, a.end - lost_from)],
+                (y - 0.35, 0.7),
+                facecolor="none",
+                edgecolor="red",
+                hatch="///",
+                lw=0,
+            )
             ax.plot(a.end - t0, y, marker="x", color="red", ms=10, mew=2)
             ax.axvspan(a.end - t0, r.attempts[i + 1].start - t0, color="#f2d0d0", lw=0)
     handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in COLORS.values()]
@@ -64,7 +76,8 @@ def plot_timeline(r: Report, path: str) -> None:
     )
     ax.set_yticks(range(n), [f"attempt {n - j}" for j in range(n)])
     ax.set_xlabel(
-        "seconds since the first start (red: a failure and the downtime after it; ticks: saves)"
+        "seconds since the first start (red: a failure, the work it lost (hatched) and the "
+        "downtime after it; ticks: saves)"
     )
     ax.set_title(f"goodput {r.goodput:.1%}, wall {r.wall_s:.0f} s, {r.failures} failure(s)", pad=24)
     fig.tight_layout()
