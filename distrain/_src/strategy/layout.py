@@ -135,10 +135,16 @@ class Layout:
 
     @property
     def model_axes(self) -> frozenset[str]:
-        """The axes that rules split weights over, the FSDP axis aside: model-parallel
-        axes (``"tensor"``, ``"stage"``), whose devices compute different parts of the
-        same rows (the strategy keeps a batch's rows whole over them)."""
-        return frozenset(a for r in self._rules for a in _flat(r.spec)) - {self.axis}
+        """The axes that rules split weights over, the FSDP axis and ``"stage"`` aside:
+        tensor-parallel axes, whose devices compute different parts of the same rows
+        (the strategy keeps a batch's rows whole over them).
+
+        ``"stage"`` keeps the rows split over it, as before this distinction: rows whole
+        over it made XLA abort while compiling the LM's pipeline on
+        ``{"stage": 2, "fsdp": 2}`` (tests/test_example_lm.py, jax 0.10.2), and
+        ``dt.nn.pipeline`` gathers its microbatches itself.
+        """
+        return frozenset(a for r in self._rules for a in _flat(r.spec)) - {self.axis, "stage"}
 
     def sharding(self, shape: tuple[int, ...], path: str = "") -> NamedSharding:
         """The sharding of a state leaf of ``shape`` at ``path``.

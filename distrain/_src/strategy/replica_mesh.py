@@ -132,7 +132,7 @@ def spans_processes(devices: Sequence[jax.Device], k: int) -> bool:
 
 def row_axes(mesh: Mesh, axis: str, model_axes: Sequence[str] | frozenset[str]) -> tuple[str, ...]:
     """The inner axes a replica's batch rows split over: all of them but the model axes
-    (``Layout.model_axes``: ``"tensor"``, ``"stage"``), over which the rows stay whole.
+    (``Layout.model_axes``: tensor-parallel axes), over which the rows stay whole.
 
     Rows split over a tensor axis reach the first split matmul in the wrong layout: XLA
     reshards them (on ``{"fsdp": 4, "tensor": 2}`` from ``[8, 1]`` to ``[1, 4, 2]``, by
