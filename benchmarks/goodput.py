@@ -164,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     r.plot(Path(args.out).with_suffix(".png"))
     print(r.table())
     print(
-        f"measured wall {wall:.1f} s; ledger buckets sum to {figures['buckets_sum_vs_measured']:.2%}"
-        f" of it; kills at {figures['kills_at_s']} s"
+        f"measured wall {wall:.1f} s; ledger buckets sum to "
+        f"{figures['buckets_sum_vs_measured']:.2%} of it; kills at {figures['kills_at_s']} s"
     )
     return 0
 
