@@ -217,3 +217,60 @@ def test_long_context_script_runs(tmp_path):
     errors = json.loads(out.read_text())["equality"]
     assert set(errors) == {"forward", "grad_q", "grad_k", "grad_v"}
     assert max(errors.values()) < 1e-5
+
+
+# A tiny model of nanoGPT's recipe: the smoke run compiles in seconds.
+NANOGPT_TINY = [
+    "model.kwargs.n_layers=1",
+    "model.kwargs.d_model=32",
+    "model.kwargs.n_heads=2",
+    "model.kwargs.seq_len=16",
+    "data.kwargs.seq_len=16",
+    "data.global_batch_size=4",
+]
+
+
+def test_nanogpt_cpu_toy_runs_without_torch(tmp_path, monkeypatch):
+    """benchmarks/nanogpt_cpu.py --toy: Trainer.fit, the jax.jit floor, the breakdown and
+    the JSON, with the PyTorch arm skipped as where torch (a benchmark-only extra) is
+    absent."""
+    from benchmarks import nanogpt_cpu
+
+    monkeypatch.setattr(nanogpt_cpu, "_torch", lambda: None)
+    out = tmp_path / "nanogpt_cpu.json"
+    nanogpt_cpu.main(["--toy", "--out", str(out), *NANOGPT_TINY])
+    result = json.loads(out.read_text())
+    assert set(result["timing"]["ms_per_step"]) == {"trainer_fit", "jax_jit"}
+    assert all(v > 0 for v in result["timing"]["ms_per_step"].values())
+    assert list(result["timing"]["ratios"]) == ["trainer_fit / jax_jit"]
+    assert result["shapes"]["d_model"] == 32 and result["machine"]["cores"] >= 1
+    assert result["command"].startswith("python -m benchmarks.nanogpt_cpu --toy")
+    assert {row["part"] for row in result["components"]} >= {"layer norm", "embedding gather"}
+    assert "torch_fwd_ms" not in result["components"][0]
+    assert result["profile"]["ops_ms_per_step"] > 0
+
+
+def test_nanogpt_cpu_torch_model_matches_distrain_model():
+    """The PyTorch GPT of the benchmark has the LM example's parameters, shape by shape
+    (the tied head counted once), and trains: two steps lower the loss on one batch."""
+    torch = pytest.importorskip("torch")
+    import jax
+    import numpy as np
+
+    from benchmarks import nanogpt_cpu
+
+    r = nanogpt_cpu.Recipe(nanogpt_cpu.CONFIG, NANOGPT_TINY)
+    _, params, _ = r.init()
+    jax_shapes = sorted(tuple(np.shape(x)) for x in jax.tree.leaves(params))
+    model = nanogpt_cpu.torch_gpt(r, torch)
+    torch_shapes = sorted(tuple(p.shape) for p in model.parameters())
+    # nnx.Linear keeps [in, out]; torch [out, in]: compare as sorted dimension sets.
+    assert sorted(tuple(sorted(s)) for s in jax_shapes) == sorted(
+        tuple(sorted(s)) for s in torch_shapes
+    )
+    loop = nanogpt_cpu.TorchEager(r, torch)
+    batch = loop.batches[0]
+    first = loop.train_step(batch).item()
+    for _ in range(3):
+        last = loop.train_step(batch).item()
+    assert last < first
