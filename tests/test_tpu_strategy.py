@@ -160,7 +160,8 @@ def test_the_pci_table_is_jaxs():
     hardware = pytest.importorskip("jax._src.hardware_utils")
     table = getattr(hardware, "_TPU_PCI_DEVICE_IDS", None)
     assert table is not None, "jax renamed its TPU PCI table: compare tpu_system's by hand"
-    assert set(table) == set(tpu_system.TPU_PCI_DEVICE_IDS)
+    # Every chip this jax detects (newer tables add ids: jax 0.12 has tpu8i/tpu8t).
+    assert set(table) <= set(tpu_system.TPU_PCI_DEVICE_IDS)
     assert hardware._GOOGLE_PCI_VENDOR_ID == tpu_system.GOOGLE_PCI_VENDOR
 
 

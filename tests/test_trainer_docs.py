@@ -31,6 +31,7 @@ import shlex
 import subprocess
 import sys
 
+import jax
 import pytest
 import yaml
 
@@ -351,18 +352,27 @@ def _printed_gib(out: str, label: str) -> tuple[float, float]:
     return float(m.group(1)) * scale, 0.005 * scale
 
 
-def check_plan_against_table(out: str, doc_text: str, where: str) -> None:
+def check_plan_against_table(
+    out: str, doc_text: str, where: str, check_peak: bool | None = None
+) -> None:
     head = re.search(r"^distrain plan: (\w+) on (\d+) devices", out, re.M)
     assert head, f"{where}: not a plan's output:\n{out}"
     key = (head.group(1), int(head.group(2)))
     row = _table_rows(doc_text).get(key)
     assert row is not None, f"{where}: the document's table has no row for {key}"
-    for column, label, tolerance in [
+    # XLA versions move the compiled peak (jax 0.12 plans GPT-2 small 20% lower than
+    # 0.10.2): it is checked on the jax the table says it was measured with.
+    measured_on = re.search(r"Measured on this 2-core machine \([^)]*jax ([\d.]+)", doc_text)
+    same_jax = measured_on is not None and measured_on.group(1) == jax.__version__
+    if check_peak is not None:
+        same_jax = check_peak
+    columns = [
         ("state, total", "state, total", 0.0),
         ("state / device", "state per device", 0.0),
-        # XLA versions move the compiled peak a little (the table names its jax).
-        ("step peak / device", "step peak per device", 0.05),
-    ]:
+    ]
+    if same_jax:
+        columns.append(("step peak / device", "step peak per device", 0.05))
+    for column, label, tolerance in columns:
         cell = row[column]
         value, printed = _printed_gib(out, label)
         digits = len(cell.partition(".")[2])
@@ -413,12 +423,12 @@ def test_plan_figures_that_disagree_with_the_table_fail():
         "distrain plan: lm_gpt2_small on 8 devices (1 replica(s) x {'fsdp': 4, 'tensor': 2})\n"
         "  state, total:            1.39 GiB\n"
         "  state per device:        178.91 MiB\n"
-        "  step peak per device:    3.32 GiB (XLA:CPU's compiled estimate)\n"
+        "  step peak per device:    3.14 GiB (XLA:CPU's compiled estimate)\n"
         "  device memory:           80.00 GiB: fits\n"
     )
-    check_plan_against_table(out, doc, "scaling.md bash block 1")
+    check_plan_against_table(out, doc, "scaling.md bash block 1", check_peak=True)
     with pytest.raises(AssertionError, match=r"prints step peak per device 12\.600 GiB where"):
-        check_plan_against_table(out.replace("3.32 GiB", "12.60 GiB"), doc, "b")
+        check_plan_against_table(out.replace("3.14 GiB", "12.60 GiB"), doc, "b", check_peak=True)
     with pytest.raises(AssertionError, match=r"prints state per device 0\.350 GiB"):
         check_plan_against_table(out.replace("178.91 MiB", "358.40 MiB"), doc, "b")
     with pytest.raises(AssertionError, match=r"no row for \('lm_gpt2_small', 16\)"):

@@ -46,7 +46,8 @@ from distrain._src.cluster.tpu import TPUClusterResolver
 PCI_DEVICES = "/sys/bus/pci/devices"
 GOOGLE_PCI_VENDOR = "0x1ae0"
 # PCI device ids of Cloud TPU chips (the table JAX's own detection uses, in
-# jax/_src/hardware_utils.py; tests/test_tpu.py checks that the two agree).
+# jax/_src/hardware_utils.py, as of jax 0.12; tests/test_tpu_strategy.py checks that this
+# one holds every id the installed jax knows).
 TPU_PCI_DEVICE_IDS = {
     "0x0027": "v2/v3",
     "0x0056": "plc (no public name)",
@@ -55,6 +56,8 @@ TPU_PCI_DEVICE_IDS = {
     "0x0063": "v5e",
     "0x006f": "v6e",
     "0x0076": "tpu7x",
+    "0x0083": "tpu8i",
+    "0x007c": "tpu8t",
 }
 ENV_FORCE_TPU_INIT = "JAX_FORCE_TPU_INIT"
 ENV_TPU_LIBRARY_PATH = "TPU_LIBRARY_PATH"
