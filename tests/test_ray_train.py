@@ -81,9 +81,11 @@ def test_a_killed_worker_is_restarted_by_ray_and_resumes_bit_exact(tmp_path, lau
             np.testing.assert_array_equal(got[name], ref[name])
 
 
-@pytest.mark.timeout(150)
+# Bounds, not a timing: 111 s alone on 2 cores, and it timed out at 140 s with the rest
+# of the suite running beside it.
+@pytest.mark.timeout(300)
 def test_elastic_run_shrinks_and_grows_and_sees_every_example_once(tmp_path, launched):
-    run([sys.executable, SCRIPT, "elastic", "--out", str(tmp_path)], timeout=140)
+    run([sys.executable, SCRIPT, "elastic", "--out", str(tmp_path)], timeout=290)
     sizes = [(a["nproc"], a["restored"]) for a in attempts(tmp_path) if a["pid"] == 0]
     # 2 workers from the start; 1 after the node is lost, from the last backup; 2 again.
     assert [n for n, _ in sizes] == [2, 1, 2], sizes
