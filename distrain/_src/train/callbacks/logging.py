@@ -122,7 +122,13 @@ class ProgressBar(Callback):
             isatty = getattr(self._stream(), "isatty", None)
             redraw = bool(isatty and isatty())
         if not redraw:
-            self._line = {"desc": desc, "total": total, "steps": initial, "start": time.monotonic()}
+            self._line = {
+                "desc": desc,
+                "total": total,
+                "steps": initial,
+                "ran": 0,
+                "start": time.monotonic(),
+            }
             return
         from tqdm.auto import tqdm
 
@@ -139,7 +145,7 @@ class ProgressBar(Callback):
     def on_train_batch_end(self, info: StepInfo) -> None:
         if self._line is not None:
             self._line["steps"] += info.num_steps
-            self._line["ran"] = self._line.get("ran", 0) + info.num_steps
+            self._line["ran"] += info.num_steps
         if self._bar is None:
             return
         self._bar.update(info.num_steps)
@@ -150,7 +156,7 @@ class ProgressBar(Callback):
         if self._line is not None:
             line, self._line = self._line, None
             seconds = time.monotonic() - line["start"]
-            rate = line.get("ran", 0) / seconds if seconds > 0 else 0.0
+            rate = line["ran"] / seconds if seconds > 0 else 0.0
             total = f"/{line['total']}" if line["total"] else ""
             text = f"{line['desc']}: {line['steps']}{total} steps, {rate:.1f} step/s"
             text += f", {seconds:.1f} s"
