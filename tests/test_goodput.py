@@ -172,7 +172,9 @@ def test_ledger_charges_the_innermost_phase_and_moves_compilation_out(tmp_path):
     assert totals["step"] + totals["checkpoint"] + totals["compile"] <= outer + 1e-3
     assert totals["compile"] > 0 and totals["input"] >= 0.02
     records = [json.loads(s) for s in (tmp_path / "run" / FILENAME).read_text().splitlines()]
-    assert [r["event"] for r in records] == ["start", "tick", "end"]
+    # progress(0) may tick too (interval 1 ms): how many ticks depends on the clock.
+    events = [r["event"] for r in records]
+    assert events[0] == "start" and events[-1] == "end" and set(events[1:-1]) == {"tick"}
     assert records[-1]["finished"] is False
     # The process's time is all there: from its start to the last record.
     assert sum(records[-1]["buckets"].values()) == pytest.approx(
