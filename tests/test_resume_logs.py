@@ -184,7 +184,14 @@ def _start(cmd, cwd):
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
+        # A shell's background job (`pytest ... &`) ignores SIGINT, and an ignored signal
+        # stays ignored across exec: the runs must see Ctrl-C as a terminal would send it.
+        preexec_fn=_default_sigint,
     )
+
+
+def _default_sigint():
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _logged_step(jsonl) -> int:

@@ -43,10 +43,13 @@ def process_start_time() -> float:
     try:
         with open("/proc/self/stat") as f:
             fields = f.read().rpartition(")")[2].split()
-        with open("/proc/stat") as f:
-            boot = next(float(line.split()[1]) for line in f if line.startswith("btime"))
-        return boot + float(fields[19]) / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError, StopIteration):
+        # The start is in clock ticks since boot (CLOCK_BOOTTIME). Measured back from now,
+        # not added to /proc/stat's btime, which is whole seconds (up to 1 s off).
+        since_start = time.clock_gettime(time.CLOCK_BOOTTIME) - float(fields[19]) / os.sysconf(
+            "SC_CLK_TCK"
+        )
+        return time.time() - since_start
+    except (OSError, ValueError, IndexError, AttributeError):
         return _IMPORTED
 
 
