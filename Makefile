@@ -36,8 +36,10 @@ demo: $(BIN)/.installed
 
 test: test-lowest test-newest
 
+# Tests marked one_end("newest") run on the newest end only; with no Python 3.12 (no
+# newest run) the lowest end runs them too.
 test-lowest: $(BIN)/.installed
-	$(MAKE) --no-print-directory check CHECK_BIN=$(BIN)
+	$(MAKE) --no-print-directory check CHECK_BIN=$(BIN) TEST_END=$(if $(PYTHON_NEW),lowest)
 
 test-newest:
 	@if [ -z "$(PYTHON_NEW)" ]; then \
@@ -47,17 +49,18 @@ test-newest:
 	  echo "SKIPPED: the newest-jax run (no Python 3.12 on PATH or in pyenv; jax 0.11+ needs it)"; \
 	else \
 	  $(MAKE) --no-print-directory $(BIN_NEW)/.installed && \
-	  $(MAKE) --no-print-directory check CHECK_BIN=$(BIN_NEW); \
+	  $(MAKE) --no-print-directory check CHECK_BIN=$(BIN_NEW) TEST_END=newest; \
 	fi
 
 # One environment's checks (CHECK_BIN: its bin/): lint, types, the suite on 8 virtual
 # CPU devices. mypy runs in both: jax's types differ between the range's ends.
 CHECK_BIN ?= $(BIN)
+TEST_END  ?=
 check:
 	@$(CHECK_BIN)/python -c 'import sys, jax; print(f"== Python {sys.version.split()[0]}, jax {jax.__version__}")'
 	$(CHECK_BIN)/ruff check distrain tests examples benchmarks
 	$(CHECK_BIN)/mypy
-	$(CHECK_BIN)/python -m pytest $(PYTEST_ARGS)
+	DISTRAIN_TEST_END=$(TEST_END) $(CHECK_BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The hardware extras (cuda12, cuda13, tpu) resolve against the index: a dry run each,
 # nothing installed. It needs the network, so CI runs it (.ci/run) and `make test` does not.

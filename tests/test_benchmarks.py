@@ -14,6 +14,8 @@ from benchmarks.loops import make_bench
 from benchmarks.run import parse_args
 from benchmarks.workloads import WORKLOADS
 
+pytestmark = pytest.mark.one_end("lowest")  # see tests/conftest.py
+
 ROOT = Path(__file__).resolve().parent.parent
 
 

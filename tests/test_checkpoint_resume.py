@@ -25,16 +25,6 @@ STEPS, SAVE_EVERY = 30, 5
 TIMEOUT = 120  # seconds per process; a healthy run takes a few seconds
 
 
-_ENV = dict(os.environ)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _compilation_cache(tmp_path_factory):
-    """One XLA compilation cache for all runs of this module: halves each run's CPU time."""
-    _ENV["JAX_COMPILATION_CACHE_DIR"] = str(tmp_path_factory.mktemp("jax_cache"))
-    _ENV["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
-
-
 def _run(tmp: Path, ckpt: Path, name: str, *extra: str, until: str | None = None, sig=None):
     """Runs the script; with ``until``, sends ``sig`` to its process group on that line.
 
@@ -45,7 +35,7 @@ def _run(tmp: Path, ckpt: Path, name: str, *extra: str, until: str | None = None
     cmd += ["--steps", str(STEPS), "--save-every", str(SAVE_EVERY), *extra]
     with open(tmp / f"{name}.stderr", "w") as err:
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True, env=_ENV
+            cmd, stdout=subprocess.PIPE, stderr=err, text=True, start_new_session=True
         )
         lines: list[str] = []
         q: queue.Queue = queue.Queue()

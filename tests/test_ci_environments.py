@@ -51,3 +51,42 @@ def test_find_python_finds_this_interpreter_and_nothing_for_an_absent_version():
     assert version == str(sys.version_info[:2])
     absent = subprocess.run([script, "3.99"], capture_output=True, text=True, timeout=30)
     assert absent.returncode == 0 and absent.stdout == ""
+
+
+def _collected(end: str, *files: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "DISTRAIN_TEST_END": end}
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+         "-p", "no:xdist", *files],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+    )
+
+
+def test_one_end_tests_are_collected_on_their_end_only():
+    files = ("tests/test_launch.py", "tests/test_benchmarks.py")  # newest, lowest
+    ids = {}
+    for end in ("", "lowest", "newest"):
+        done = _collected(end, *files)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        ids[end] = {line.split("::")[0] for line in done.stdout.splitlines() if "::" in line}
+    assert ids[""] == set(files)  # no end given: everything runs
+    assert ids["lowest"] == {"tests/test_benchmarks.py"}
+    assert ids["newest"] == {"tests/test_launch.py"}
+
+
+def test_an_unknown_end_is_a_usage_error():
+    done = _collected("oldest", "tests/test_launch.py")
+    assert done.returncode == 4
+    assert "DISTRAIN_TEST_END must be one of ('lowest', 'newest'); got 'oldest'" in done.stderr
+
+
+def test_make_test_names_the_end_each_run_is():
+    def dry(target: str, python_new: str) -> str:
+        return subprocess.run(
+            ["make", "-n", "--no-print-directory", target, f"PYTHON_NEW={python_new}"],
+            cwd=ROOT, capture_output=True, text=True, timeout=60,
+        ).stdout
+
+    assert "DISTRAIN_TEST_END=lowest " in dry("test-lowest", sys.executable)
+    # No Python 3.12, no newest run: the lowest end runs the newest end's tests too.
+    assert "DISTRAIN_TEST_END= " in dry("test-lowest", "")

@@ -12,6 +12,8 @@ import pytest
 
 from distrain._src.cluster.launch import free_port
 
+pytestmark = pytest.mark.one_end("newest")  # see tests/conftest.py
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CONFIGS = os.path.join(ROOT, "configs")
 

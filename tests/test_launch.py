@@ -25,6 +25,8 @@ import pytest
 import distrain as dt
 from distrain._src.cluster import launch
 
+pytestmark = pytest.mark.one_end("newest")  # see tests/conftest.py
+
 PY = sys.executable
 TRAIN = str(Path(__file__).parent / "scripts" / "mw_train.py")
 FAULT = str(Path(__file__).parent / "scripts" / "mw_fault.py")

@@ -22,7 +22,7 @@ from distrain.experimental import ParameterServerStrategy
 from distrain.experimental.coordinator import ClusterCoordinator, ParameterServerUnavailableError
 from distrain.experimental.partitioners import FixedShardsPartitioner
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = [pytest.mark.timeout(240), pytest.mark.one_end("newest")]  # one_end: tests/conftest.py
 
 
 @pytest.fixture(scope="module")

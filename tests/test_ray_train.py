@@ -15,6 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.one_end("newest")  # see tests/conftest.py
+
 pytest.importorskip("ray.train", reason="Ray Train is in the 'ray' extra")
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "mw_ray.py")

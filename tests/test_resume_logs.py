@@ -29,6 +29,8 @@ from distrain._src.data.pipeline import ArrayPipeline
 from distrain._src.train.metrics import Mean
 from distrain._src.train.trainer import Trainer
 
+pytestmark = pytest.mark.one_end("newest")  # see tests/conftest.py
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
 

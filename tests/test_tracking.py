@@ -22,6 +22,8 @@ from tests.linear_problem import eval_step, new_state, problem, train_step
 from tests.processes import run_together
 from tests.wandb_records import metric, offline_runs
 
+pytestmark = pytest.mark.one_end("newest")  # see tests/conftest.py
+
 SCRIPT = str(Path(__file__).parent / "scripts" / "tracking_train.py")
 
 # No network, no telemetry; MLflow >= 3.7 refuses its file store unless allowed.

@@ -35,6 +35,8 @@ import jax
 import pytest
 import yaml
 
+pytestmark = pytest.mark.one_end("lowest")  # see tests/conftest.py
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"
 DOC_NAMES = [p.name for p in sorted(DOCS.glob("*.md"))] + ["README.md"]
