@@ -183,6 +183,7 @@ def test_cnn_pool_forms_train_the_same_maths():
         ("benchmarks.host_overhead", ["--devices", "2", "--quick"], "strategy.run"),
         ("benchmarks.scaling", ["--devices", "2", "--quick", "--workloads", "mlp"], "sharded_bf16"),
         ("benchmarks.input_thread", ["--devices", "2", "--quick"], "prefetch thread"),
+        ("benchmarks.fit_vs_run", ["--devices", "2", "--steps", "8", "--rounds", "1"], "fit/run"),
         (
             "benchmarks.replica_spans",
             ["--devices", "2", "--rounds", "1", "--steps", "2", "--workloads", "mlp"],

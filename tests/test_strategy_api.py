@@ -1,5 +1,8 @@
 """The tf.distribute surface: run, reduce, gather, contexts, caching and bad input."""
 
+import functools
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -261,3 +264,21 @@ def test_int_and_float_constants_compile_separately(mirrored):
     out_int = mirrored.run(lambda c: jnp.asarray(c), args=(2,))
     out_float = mirrored.run(lambda c: jnp.asarray(c), args=(2.0,))
     assert out_int.dtype == jnp.int32 and out_float.dtype == jnp.float32
+
+
+def test_a_partial_step_compiles_under_a_short_name(devices):
+    """A partial's repr holds its arguments (here a config, in the examples a model's
+    whole graph): as the program's name it was a file name too long for jax's
+    persistent compilation cache, which then failed to write every entry."""
+
+    def step(config, x):
+        return x * 2
+
+    fn = functools.partial(step, {"config": "x" * 5000})
+    s = dt.MirroredStrategy()
+    with pytest.raises(TypeError, match=r"strategy.run\(partial\(.*step\), args=...\)"):
+        s.run(fn, args=5)
+    batch = s.distribute_batch(np.ones((8, 2), np.float32))
+    text = s._compiler.compile(fn, (batch,), {}).as_text()
+    name = re.search(r"HloModule (\S+?),", text)[1]
+    assert "partial" in name and "step" in name and len(name) < 100, name

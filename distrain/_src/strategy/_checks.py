@@ -100,7 +100,16 @@ def check_replica_values(replicas: list[int], values: list[Any]) -> list[list[An
 
 
 def fn_name(fn: Any) -> str:
-    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+    """A short name for messages and compiled programs: ``step``, ``partial(step)``.
+
+    Never a ``repr``: a ``functools.partial``'s holds its arguments (a model's whole
+    graph), and as a program's name it made file names too long for jax's persistent
+    compilation cache (an error writing every entry, and no entry written).
+    """
+    if isinstance(fn, functools.partial):
+        return f"partial({fn_name(fn.func)})"
+    name = getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None)
+    return name if isinstance(name, str) else type(fn).__name__
 
 
 def check_run_arguments(
