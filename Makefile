@@ -15,7 +15,7 @@ BIN        := $(VENV)/bin
 BIN_NEW    := $(VENV_NEW)/bin
 # Two pytest workers (pytest-xdist), a file each at a time: the suite waits on processes
 # and compiles in turns, so two workers keep 2 cores busy.
-PYTEST_ARGS ?= -q -n 2 --dist loadfile
+PYTEST_ARGS ?= -q -n 2 --dist loadfile --durations=25
 
 .PHONY: demo test test-lowest test-newest check check-extras bench clean
 

@@ -538,3 +538,33 @@ def test_a_pipelined_checkpoint_restores_on_one_device_and_back(
     kernel = back.state.params["blocks"]["attn"]["qkv"]["kernel"]
     assert kernel.sharding.spec == P("stage")
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(back.state.params), saved)
+
+
+@pytest.mark.parametrize("microbatches", [None, 2], ids=["blocks", "pipelined"])
+def test_every_remat_policy_trains_as_without_remat(devices, splits, microbatches):
+    """Remat changes what is kept for the backward pass, never the result: two SGD steps
+    under each LMConfig.remat policy give the parameters of no remat (the pipelined
+    model's path too; without a stage axis it is a scan over the layers)."""
+    from examples.lm.model import REMAT_POLICIES
+
+    results = {}
+    for policy in REMAT_POLICIES:
+        settings = dataclasses.replace(
+            SETTINGS,
+            optimizer="sgd",
+            learning_rate=0.5,
+            model=dataclasses.replace(
+                TINY, n_layers=2, remat=policy, pipeline_microbatches=microbatches
+            ),
+        )
+        apply_fn, state = init_state(settings)
+        step = functools.partial(train_step, apply_fn=apply_fn)
+        results[policy] = _fit(dt.MirroredStrategy(devices[:1]), (step, state), splits["train"], 2)
+    assert set(results) == {"none", "dots_saveable", "nothing_saveable", "offload_dots"}
+    for policy, (params, loss) in results.items():
+        assert loss == pytest.approx(results["none"][1], rel=1e-6), policy
+        jax.tree.map(
+            lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
+            params,
+            results["none"][0],
+        )

@@ -56,7 +56,7 @@ def test_without_a_stage_axis_it_is_a_scan_over_the_layers():
         ({"stage": 4}, 8, 1, True),
         ({"stage": 4}, 8, 2, False),
         ({"stage": 2}, 2, 2, True),
-        ({"stage": 2, "fsdp": 2}, 4, 1, False),
+        ({"stage": 2, "fsdp": 2}, 4, 1, jax.checkpoint_policies.dots_saveable),
     ],
 )
 def test_values_and_gradients_equal_the_unpipelined_layers(
@@ -189,3 +189,6 @@ def test_errors(devices):
     for bad in (0, 2.0, True):
         with pytest.raises(TypeError, match=r"`microbatches` must be a positive int"):
             pipeline(layer, stacked(), batch(), microbatches=bad)
+    for bad in (None, "dots_saveable", 1):
+        with pytest.raises(TypeError, match=r"`remat` must be a bool or a jax.checkpoint_pol"):
+            pipeline(layer, stacked(), batch(), microbatches=4, remat=bad)

@@ -272,8 +272,9 @@ def test_cli_sigkill_and_rerun_keep_every_log_line_once(tmp_path):
     assert r.buckets_s["downtime"] >= 1.0
     assert sum(r.buckets_s.values()) == pytest.approx(r.wall_s, rel=1e-6)
     # From the first process's start to the last record: the wall time measured here
-    # less the spawn before the first start and the exit after the last record.
-    assert r.wall_s <= wall and r.wall_s == pytest.approx(wall, rel=0.05)
+    # less the spawn before the first start and the exit after the last record (the
+    # interpreter's and the runtime's teardown: over a second on a loaded machine).
+    assert wall - 3.0 < r.wall_s <= wall
 
 
 def test_cli_interruptions_are_one_line_saying_what_was_saved(tmp_path):

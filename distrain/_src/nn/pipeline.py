@@ -58,7 +58,7 @@ def pipeline(
     *,
     microbatches: int,
     repeats: int = 1,
-    remat: bool = False,
+    remat: bool | Callable[..., Any] = False,
     axis: str = "stage",
     aux: Any = None,
 ) -> jax.Array:
@@ -73,7 +73,9 @@ def pipeline(
       repeats: ``R``, chunks per stage (circular schedule); ``L % (S R) == 0`` and, with
         ``R > 1``, ``M % S == 0``.
       remat: recompute each chunk's activations in the backward pass
-        (``jax.checkpoint``) instead of keeping them.
+        (``jax.checkpoint``) instead of keeping them: ``True`` keeps only each chunk's
+        input; a policy (``jax.checkpoint_policies.dots_saveable``, ...) keeps what it
+        names.
       axis: the mesh axis of the stages.
       aux: a pytree of per-row arrays (``[B, ...]``) every layer reads, microbatched
         with ``x``; ``None`` (default): ``layer_fn`` takes two arguments.
@@ -85,14 +87,16 @@ def pipeline(
       ValueError: numbers that do not divide (each named), a ``layer_fn`` whose output
         differs from its input in shape or dtype, or parameters without a common
         leading dimension.
-      TypeError: ``microbatches`` or ``repeats`` not a positive int.
+      TypeError: ``microbatches`` or ``repeats`` not a positive int, or ``remat``
+        neither a bool nor a policy.
     """
     fn = layer_fn if aux is not None else lambda p, h, _: layer_fn(p, h)
+    checkpoint = _checkpoint(remat)
     layers = _check(fn, stacked_params, x, aux, microbatches, repeats)
     mesh = jax.sharding.get_abstract_mesh()
     stages = 1 if mesh.empty or axis not in mesh.axis_names else mesh.shape[axis]
     if stages == 1:
-        return _scan(jax.checkpoint(fn) if remat else fn, stacked_params, x, aux)
+        return _scan(checkpoint(fn), stacked_params, x, aux)
     if layers % (stages * repeats):
         raise ValueError(
             f"pipeline: {layers} layers do not split into {stages} stages x {repeats} "
@@ -121,7 +125,7 @@ def pipeline(
 
     run = jax.shard_map(
         lambda p, xs, auxs: _schedule(
-            jax.checkpoint(chunk) if remat else chunk, p, xs, auxs, stages, repeats, axis
+            checkpoint(chunk), p, xs, auxs, stages, repeats, axis
         ),
         mesh=mesh,
         in_specs=(jax.tree.map(lambda _: P(axis), params), P(), P()),
@@ -130,6 +134,20 @@ def pipeline(
         check_vma=False,
     )
     return run(params, cut(x), jax.tree.map(cut, aux)).reshape(x.shape)
+
+
+def _checkpoint(remat: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """``remat`` as a function wrapper: identity, ``jax.checkpoint``, or with a policy."""
+    if remat is False:
+        return lambda f: f
+    if remat is True:
+        return jax.checkpoint
+    if callable(remat):
+        return lambda f: jax.checkpoint(f, policy=remat)
+    raise TypeError(
+        "pipeline: `remat` must be a bool or a jax.checkpoint_policies policy (e.g. "
+        f"jax.checkpoint_policies.dots_saveable). Received: {remat!r}."
+    )
 
 
 def _scan(fn: Callable[..., jax.Array], params: Any, x: jax.Array, aux: Any) -> jax.Array:

@@ -42,7 +42,27 @@ from distrain._src.strategy.replica_mesh import DevicesPerReplica
 from distrain._src.strategy.sharded import DEFAULT_MIN_SHARD_BYTES
 
 
-class MultiWorkerMirroredStrategy(Strategy):
+class OverProcesses:
+    """The process properties of a strategy whose replicas span jax.distributed's
+    processes (``MultiWorkerMirroredStrategy``, ``TPUStrategy``)."""
+
+    _cluster_resolver: ClusterResolver
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        """The resolver this strategy joined the cluster with."""
+        return self._cluster_resolver
+
+    @property
+    def num_processes(self) -> int:
+        return jax.process_count()
+
+    @property
+    def process_id(self) -> int:
+        return jax.process_index()
+
+
+class MultiWorkerMirroredStrategy(OverProcesses, Strategy):
     """Synchronous data parallelism over all devices of all processes.
 
     Create it first thing in the program: JAX can join a cluster only before it has
@@ -129,27 +149,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         return self._data_parallel_sharding(shape, path)
 
     @property
-    def cluster_resolver(self) -> ClusterResolver:
-        """The resolver this strategy joined the cluster with."""
-        return self._cluster_resolver
-
-    @property
     def communication_options(self) -> CommunicationOptions:
         """The collectives implementation and timeouts in force."""
         return self._communication_options
-
-    @property
-    def is_chief(self) -> bool:
-        """Whether this process prints, logs and writes summaries (process 0)."""
-        return jax.process_index() == 0
-
-    @property
-    def num_processes(self) -> int:
-        return jax.process_count()
-
-    @property
-    def process_id(self) -> int:
-        return jax.process_index()
 
     def __repr__(self) -> str:
         return (

@@ -45,6 +45,7 @@ from distrain._src.cluster import tpu_system
 from distrain._src.cluster.base import ClusterResolver
 from distrain._src.strategy.base import Strategy
 from distrain._src.strategy.layout import LayoutRules, LogicalAxisRules
+from distrain._src.strategy.multi_worker import OverProcesses
 from distrain._src.strategy.replica_mesh import DevicesPerReplica
 from distrain._src.strategy.sharded import DEFAULT_MIN_SHARD_BYTES
 
@@ -171,7 +172,7 @@ def split_spec(partition_dimensions: Sequence[int], inner: Mapping[str, int]) ->
     return PartitionSpec(*entries)
 
 
-class TPUStrategy(Strategy):
+class TPUStrategy(OverProcesses, Strategy):
     """Synchronous training over the TPU chips of one host or of a whole slice (or slices).
 
     ``tf.distribute.TPUStrategy``: one replica per chip by default, every host of the
@@ -260,27 +261,9 @@ class TPUStrategy(Strategy):
         return self._data_parallel_sharding(shape, path)
 
     @property
-    def cluster_resolver(self) -> ClusterResolver:
-        """The resolver this strategy joined the slice with."""
-        return self._cluster_resolver
-
-    @property
     def num_slices(self) -> int:
         """Slices of a multislice job (1 otherwise): consecutive blocks of replicas."""
         return self._num_slices
-
-    @property
-    def is_chief(self) -> bool:
-        """Whether this process prints, logs and writes summaries (process 0)."""
-        return jax.process_index() == 0
-
-    @property
-    def num_processes(self) -> int:
-        return jax.process_count()
-
-    @property
-    def process_id(self) -> int:
-        return jax.process_index()
 
     # ------------------------------------------------ TF's logical devices, in a replica
     def experimental_split_to_logical_devices(
