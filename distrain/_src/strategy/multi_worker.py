@@ -42,27 +42,7 @@ from distrain._src.strategy.replica_mesh import DevicesPerReplica
 from distrain._src.strategy.sharded import DEFAULT_MIN_SHARD_BYTES
 
 
-class OverProcesses:
-    """The process properties of a strategy whose replicas span jax.distributed's
-    processes (``MultiWorkerMirroredStrategy``, ``TPUStrategy``)."""
-
-    _cluster_resolver: ClusterResolver
-
-    @property
-    def cluster_resolver(self) -> ClusterResolver:
-        """The resolver this strategy joined the cluster with."""
-        return self._cluster_resolver
-
-    @property
-    def num_processes(self) -> int:
-        return jax.process_count()
-
-    @property
-    def process_id(self) -> int:
-        return jax.process_index()
-
-
-class MultiWorkerMirroredStrategy(OverProcesses, Strategy):
+class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous data parallelism over all devices of all processes.
 
     Create it first thing in the program: JAX can join a cluster only before it has
@@ -147,6 +127,19 @@ class MultiWorkerMirroredStrategy(OverProcesses, Strategy):
 
     def state_sharding(self, shape: tuple[int, ...], path: str = "") -> jax.sharding.Sharding:
         return self._data_parallel_sharding(shape, path)
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        """The resolver this strategy joined the cluster with."""
+        return self._cluster_resolver
+
+    @property
+    def num_processes(self) -> int:
+        return jax.process_count()
+
+    @property
+    def process_id(self) -> int:
+        return jax.process_index()
 
     @property
     def communication_options(self) -> CommunicationOptions:

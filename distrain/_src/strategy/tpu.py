@@ -45,7 +45,6 @@ from distrain._src.cluster import tpu_system
 from distrain._src.cluster.base import ClusterResolver
 from distrain._src.strategy.base import Strategy
 from distrain._src.strategy.layout import LayoutRules, LogicalAxisRules
-from distrain._src.strategy.multi_worker import OverProcesses
 from distrain._src.strategy.replica_mesh import DevicesPerReplica
 from distrain._src.strategy.sharded import DEFAULT_MIN_SHARD_BYTES
 
@@ -172,7 +171,7 @@ def split_spec(partition_dimensions: Sequence[int], inner: Mapping[str, int]) ->
     return PartitionSpec(*entries)
 
 
-class TPUStrategy(OverProcesses, Strategy):
+class TPUStrategy(Strategy):
     """Synchronous training over the TPU chips of one host or of a whole slice (or slices).
 
     ``tf.distribute.TPUStrategy``: one replica per chip by default, every host of the
@@ -259,6 +258,19 @@ class TPUStrategy(OverProcesses, Strategy):
 
     def state_sharding(self, shape: tuple[int, ...], path: str = "") -> jax.sharding.Sharding:
         return self._data_parallel_sharding(shape, path)
+
+    @property
+    def cluster_resolver(self) -> ClusterResolver:
+        """The resolver this strategy joined the slice with."""
+        return self._cluster_resolver
+
+    @property
+    def num_processes(self) -> int:
+        return jax.process_count()
+
+    @property
+    def process_id(self) -> int:
+        return jax.process_index()
 
     @property
     def num_slices(self) -> int:
