@@ -46,6 +46,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # examples/ is importable from the repository root
 
 import distrain as dt  # noqa: E402
+from benchmarks.loops import Forever  # noqa: E402
 from distrain._src.train.callbacks.throughput import peak_flops_per_device  # noqa: E402
 from examples.lm.model import flops_per_token  # noqa: E402
 from examples.lm.train import Settings, init_state, settings_from_config, train_step  # noqa: E402
@@ -119,19 +120,6 @@ class StrategyRun:
         return time.perf_counter() - start
 
 
-class _Forever:
-    """An endless, unsized iterable of pre-staged global batches."""
-
-    def __init__(self, batches: list[Any]) -> None:
-        self.batches = batches
-
-    def __iter__(self) -> Any:
-        i = 0
-        while True:
-            yield self.batches[i % len(self.batches)]
-            i += 1
-
-
 class TrainerFit:
     """``Trainer.fit``, timed by ``dt.callbacks.Throughput`` inside one ``fit`` call."""
 
@@ -142,7 +130,7 @@ class TrainerFit:
         self.step = functools.partial(train_step, apply_fn=apply_fn)
         self.state = self.strategy.put_replicated(state)
         staged = [self.strategy.distribute_batch(b).value for b in _batches(s, NUM_STAGED)]
-        self.data = _Forever(staged)
+        self.data = Forever(staged)
 
     def time(self, steps: int) -> float:
         # Metric syncs every `k` steps; the first window (fit's start-up) only starts the

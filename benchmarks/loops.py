@@ -266,8 +266,9 @@ class StrategyRun(Bench):
         return sample
 
 
-class _Forever:
-    """An unsized, endless iterable of pre-staged global batches (one ``fit`` epoch)."""
+class Forever:
+    """An unsized, endless iterable of pre-staged batches (one ``fit`` epoch); the
+    LM benchmarks use it too."""
 
     def __init__(self, batches: list[Any]) -> None:
         self._batches = batches
@@ -314,7 +315,7 @@ class TrainerFit(Bench):
             staged = [
                 self.strategy.distribute_batch(b).value for b in host_batches(self.w, NUM_STAGED)
             ]
-            self.data = _Forever(staged)
+            self.data = Forever(staged)
         self.time(WARMUP_STEPS)
 
     def time(self, steps: int) -> Sample:

@@ -65,6 +65,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))  # examples/ is importable from the repository root
 
 import distrain as dt  # noqa: E402
+from benchmarks.loops import Forever  # noqa: E402
 from distrain._src.train.optimizer import build_optimizer  # noqa: E402
 from distrain._src.train.run import _init_model, resolve_callable  # noqa: E402
 from distrain._src.train.state import TrainState  # noqa: E402
@@ -166,19 +167,6 @@ class JaxJit:
         return time.perf_counter() - start
 
 
-class _Forever:
-    """An endless iterable of the staged host batches (what a data pipeline yields)."""
-
-    def __init__(self, batches: list[Any]) -> None:
-        self.batches = batches
-
-    def __iter__(self) -> Any:
-        i = 0
-        while True:
-            yield self.batches[i % len(self.batches)]
-            i += 1
-
-
 class TrainerFit:
     """``Trainer.fit`` on ``OneDeviceStrategy`` with the config's step and optimizer."""
 
@@ -190,7 +178,7 @@ class TrainerFit:
         self.strategy = dt.OneDeviceStrategy(jax.devices()[0])
         self.step = functools.partial(r.train_fn, apply_fn=apply_fn)
         self.state = state
-        self.data = _Forever(r.batches)
+        self.data = Forever(r.batches)
 
     def time(self, steps: int) -> float:
         # The first window (fit's start-up) only starts Throughput's clock; the next

@@ -8,9 +8,9 @@ import tempfile
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # One persistent XLA compilation cache for the run: pytest-xdist's workers and every
 # process a test starts inherit it. The suite compiles the same programs many times,
-# mostly in fresh processes (a SIGKILL and its rerun, the CLI, the docs' commands): a
-# rerun of the packed LM script takes 12.6 s instead of 22 s. A new directory per run,
-# so no test sees an entry of another checkout; DISTRAIN_TEST_XLA_CACHE=0 turns it off.
+# mostly in fresh processes (a SIGKILL and its rerun, the CLI, the docs' commands). A
+# new directory per run, so no test sees an entry of another checkout;
+# DISTRAIN_TEST_XLA_CACHE=0 turns it off.
 _cache_wanted = os.environ.get("DISTRAIN_TEST_XLA_CACHE") != "0"
 if _cache_wanted and "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     _cache = tempfile.mkdtemp(prefix="distrain-tests-xla-cache-")

@@ -122,13 +122,8 @@ class ProgressBar(Callback):
             isatty = getattr(self._stream(), "isatty", None)
             redraw = bool(isatty and isatty())
         if not redraw:
-            self._line = {
-                "desc": desc,
-                "total": total,
-                "steps": initial,
-                "ran": 0,
-                "start": time.monotonic(),
-            }
+            self._line = {"desc": desc, "total": total, "steps": initial, "initial": initial,
+                          "start": time.monotonic()}  # fmt: skip
             return
         from tqdm.auto import tqdm
 
@@ -145,7 +140,6 @@ class ProgressBar(Callback):
     def on_train_batch_end(self, info: StepInfo) -> None:
         if self._line is not None:
             self._line["steps"] += info.num_steps
-            self._line["ran"] += info.num_steps
         if self._bar is None:
             return
         self._bar.update(info.num_steps)
@@ -156,7 +150,7 @@ class ProgressBar(Callback):
         if self._line is not None:
             line, self._line = self._line, None
             seconds = time.monotonic() - line["start"]
-            rate = line["ran"] / seconds if seconds > 0 else 0.0
+            rate = (line["steps"] - line["initial"]) / seconds if seconds > 0 else 0.0
             total = f"/{line['total']}" if line["total"] else ""
             text = f"{line['desc']}: {line['steps']}{total} steps, {rate:.1f} step/s"
             text += f", {seconds:.1f} s"
