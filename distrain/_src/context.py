@@ -130,8 +130,12 @@ class ReplicaContext:
         cross_device_ops: CrossDeviceOps | None = None,
         replica_id: jax.Array | None = None,
         elide_collectives: bool = False,
+        *,
+        num_replicas: int | None = None,
     ) -> None:
         self._strategy = strategy
+        # The replicas the collectives run over: the strategy's, or its group's (islands).
+        self._num_replicas = num_replicas
         self._axis_name = axis_name
         self._cross_device_ops = cross_device_ops
         self._replica_id = replica_id
@@ -173,6 +177,9 @@ class ReplicaContext:
 
     @property
     def num_replicas_in_sync(self) -> int:
+        """The replicas this replica's collectives run over (an island's, under DiLoCo)."""
+        if self._num_replicas is not None:
+            return self._num_replicas
         return self._strategy.num_replicas_in_sync
 
     @property

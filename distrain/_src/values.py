@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from typing import Any
+from typing import Any, final
 
 import jax
 
@@ -82,3 +82,31 @@ def _unflatten(aux: tuple[int, bool], children: tuple[Any]) -> PerReplica:
 
 
 jax.tree_util.register_pytree_node(PerReplica, _flatten, _unflatten)
+
+
+@final
+class PerGroup:
+    """A value with one component per group of replicas (DiLoCo's islands): every leaf
+    has a leading axis of length ``num_groups``, one row per group.
+
+    Framework-internal: a strategy with replica groups wraps its group-varying state in
+    it for ``strategy.run`` (each replica of group ``g`` receives row ``g``, without the
+    axis) and a replica function returns it around results identical on the replicas of
+    a group (stacked back, one row per group). Users see plain arrays.
+    """
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: Any) -> None:
+        self.value = value
+
+    def __repr__(self) -> str:
+        return f"PerGroup({jax.tree.map(lambda x: tuple(getattr(x, 'shape', ())), self.value)})"
+
+
+jax.tree_util.register_pytree_with_keys(
+    PerGroup,
+    lambda g: (((jax.tree_util.GetAttrKey("value"), g.value),), None),
+    lambda _, children: PerGroup(children[0]),
+    lambda g: ((g.value,), None),
+)

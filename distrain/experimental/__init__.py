@@ -1,4 +1,5 @@
-"""Experimental strategies (``dt.experimental``): central storage and parameter servers.
+"""Experimental strategies (``dt.experimental``): central storage, parameter servers and
+DiLoCo's islands.
 
 ``MultiWorkerMirroredStrategy`` is ``dt.MultiWorkerMirroredStrategy`` (TensorFlow 2.x
 also spells it ``tf.distribute.experimental.MultiWorkerMirroredStrategy``; distrain
@@ -8,6 +9,8 @@ has one public path per name).
 from typing import TYPE_CHECKING
 
 from distrain._src import lazy as _lazy
+from distrain._src.islands.outer import DiLoCoState as DiLoCoState
+from distrain._src.islands.strategy import DiLoCoStrategy as DiLoCoStrategy
 from distrain._src.strategy.central_storage import CentralStorageStrategy as CentralStorageStrategy
 
 # The parameter-server package (and its backends) loads on first use; type checkers
@@ -26,6 +29,8 @@ else:
 
 __all__ = [
     "CentralStorageStrategy",
+    "DiLoCoState",
+    "DiLoCoStrategy",
     "ParameterServerStrategy",
     "coordinator",
     "partitioners",

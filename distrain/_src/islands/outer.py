@@ -42,6 +42,7 @@ Params = Any
 ParamsOf = Callable[[Any], Params]
 WithParams = Callable[[Any, Params], Any]
 Gather = Callable[[PyTree], PyTree]
+Mean = Callable[[jax.Array], jax.Array]
 
 
 @struct.dataclass
@@ -94,6 +95,7 @@ def pseudo_gradient(
     *,
     outer_dtype: OuterDType = "float32",
     gather: Gather | None = None,
+    mean: Mean | None = None,
 ) -> Params:
     """The mean over islands of ``global - island``, in float32 (the outer gradient).
 
@@ -109,6 +111,9 @@ def pseudo_gradient(
       gather: applied to the pytree of encodings (:class:`codecs.Encoded` leaves with
         the island axis) before decoding; identity by default. A strategy passes the
         all-gather over its island axis (e.g. a sharding constraint to replicated).
+      mean: with ``"float32"``, the mean over the island axis of one stacked leaf
+        (default ``jnp.mean(x, 0)``); a strategy whose replicas hold one island each
+        passes an all-reduce over its island axis.
 
     Returns:
       The pseudo-gradient, ``global_params``' structure, float32 leaves (wider if the
@@ -125,7 +130,7 @@ def pseudo_gradient(
 
     deltas = jax.tree.map(delta, global_params, island_params)
     if outer_dtype == "float32":
-        return jax.tree.map(lambda x: jnp.mean(x, axis=0), deltas)
+        return jax.tree.map(mean or (lambda x: jnp.mean(x, axis=0)), deltas)
     leaves, treedef = jax.tree.flatten(deltas)
     encoded = [jax.vmap(partial(encode, outer_dtype=outer_dtype))(x) for x in leaves]
     if gather is not None:
@@ -307,7 +312,12 @@ _Carry = tuple[Params, tuple[Any, ...], Params, Params | None]
 
 
 def _snapshot(
-    config: DiLoCoConfig, ids: Sequence[int], f: int, gather: Gather | None, carry: _Carry
+    config: DiLoCoConfig,
+    ids: Sequence[int],
+    f: int,
+    gather: Gather | None,
+    mean: Mean | None,
+    carry: _Carry,
 ) -> _Carry:
     global_params, opt_states, local, in_flight = carry
     g = jax.tree.leaves(global_params)
@@ -316,13 +326,19 @@ def _snapshot(
         _pick(jax.tree.leaves(local), ids, f),
         outer_dtype=config.outer_dtype,
         gather=gather,
+        mean=mean,
     )
     flight, treedef = jax.tree.flatten(in_flight)
     return global_params, opt_states, local, jax.tree.unflatten(treedef, _put(flight, ids, f, pg))
 
 
 def _sync(
-    config: DiLoCoConfig, ids: Sequence[int], f: int, gather: Gather | None, carry: _Carry
+    config: DiLoCoConfig,
+    ids: Sequence[int],
+    f: int,
+    gather: Gather | None,
+    mean: Mean | None,
+    carry: _Carry,
 ) -> _Carry:
     global_params, opt_states, local, in_flight = carry
     g, treedef = jax.tree.flatten(global_params)
@@ -333,6 +349,7 @@ def _sync(
             _pick(local_leaves, ids, f),
             outer_dtype=config.outer_dtype,
             gather=gather,
+            mean=mean,
         )
     else:
         pg = _pick(jax.tree.leaves(in_flight), ids, f)
@@ -363,6 +380,7 @@ def after_inner_step(
     params_of: ParamsOf = params_attr,
     with_params: WithParams = replace_params,
     gather: Gather | None = None,
+    mean: Mean | None = None,
 ) -> DiLoCoState:
     """Counts one inner step and runs the outer logic it calls for (inside ``jit``).
 
@@ -376,17 +394,17 @@ def after_inner_step(
       state: the state whose ``inner`` has just taken step ``state.step + 1``.
       params_of: where the (island-stacked) parameters are in ``state.inner``.
       with_params: ``state.inner`` with its parameters replaced.
-      gather: see :func:`pseudo_gradient`.
+      gather, mean: see :func:`pseudo_gradient`.
 
     Returns:
       The new state.
     """
     ids = fragment_ids(config, state.params)
     branches: list[Callable[[_Carry], _Carry]] = [_no_event]
-    branches += [partial(_sync, config, ids, f, gather) for f in range(config.num_fragments)]
+    branches += [partial(_sync, config, ids, f, gather, mean) for f in range(config.num_fragments)]
     if config.fragment_sync_delay:
         branches += [
-            partial(_snapshot, config, ids, f, gather) for f in range(config.num_fragments)
+            partial(_snapshot, config, ids, f, gather, mean) for f in range(config.num_fragments)
         ]
     step = state.step + 1
     carry = (state.params, state.outer_opt_state, params_of(state.inner), state.in_flight)

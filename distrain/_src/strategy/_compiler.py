@@ -48,7 +48,7 @@ from distrain._src import context
 from distrain._src.context import ReplicaContext
 from distrain._src.strategy import _checks, layout
 from distrain._src.strategy._replication import collectives_over, varying_outputs
-from distrain._src.values import PerReplica
+from distrain._src.values import PerGroup, PerReplica
 
 if TYPE_CHECKING:
     from distrain._src.strategy.base import Strategy
@@ -61,6 +61,24 @@ _ARRAY_TYPES: set[type] = set()
 
 def _is_per_replica(x: Any) -> bool:
     return isinstance(x, PerReplica)
+
+
+def _is_distributed(x: Any) -> bool:
+    return isinstance(x, PerReplica | PerGroup)
+
+
+def _kinds(tree: Any) -> dict[int, str]:
+    """``{leaf index: kind}`` of a pytree whose leaves are their flatten indices: the
+    leaves of ``PerReplica`` nodes are ``"split"`` or ``"stacked"``, of ``PerGroup``
+    nodes ``"group"``."""
+    kinds: dict[int, str] = {}
+    for node in jax.tree.leaves(tree, is_leaf=_is_distributed):
+        if isinstance(node, PerGroup):
+            kinds.update(dict.fromkeys(jax.tree.leaves(node.value), "group"))
+        elif isinstance(node, PerReplica):
+            kind = "stacked" if node.stacked else "split"
+            kinds.update(dict.fromkeys(jax.tree.leaves(node.value), kind))
+    return kinds
 
 
 class _Program:
@@ -137,9 +155,7 @@ class ReplicaCompiler:
         self._in_flight.append(done)
         return self._strategy._from_compute(out) if self._moves else out
 
-    def compile(
-        self, fn: Callable[..., Any], args: tuple, kwargs: dict, donate: tuple = ()
-    ) -> Any:
+    def compile(self, fn: Callable[..., Any], args: tuple, kwargs: dict, donate: tuple = ()) -> Any:
         """The compiled program ``run(fn, args, kwargs, donate)`` would execute, not run."""
         flat, treedef = jax.tree.flatten((args, kwargs))
         program, arrays = self._lookup((fn, treedef, donate), fn, args, kwargs, flat, treedef)
@@ -189,6 +205,13 @@ class ReplicaCompiler:
         n, axis, mesh = strategy.num_replicas_in_sync, strategy.axis_name, strategy.mesh
         spans = bool(strategy.inner_axes)
         in_mesh = strategy._replica_mesh_context
+        # Replica groups (DiLoCo's islands): an outer manual axis; the replica context,
+        # its collectives and its replica count stay inside the group.
+        groups = strategy._group_axes
+        g = int(np.prod([mesh.shape[a] for a in groups], dtype=int))
+        per_group = n // g
+        rep = (*groups, axis) if groups else axis
+        axis_env = [*((a, mesh.shape[a]) for a in groups), (axis, per_group)]
 
         static = {i: flat[i] for i in static_idx}
         n_leaves = len(flat)
@@ -197,31 +220,38 @@ class ReplicaCompiler:
             it = iter(arrays)
             return [static[i] if i in static else next(it) for i in range(n_leaves)]
 
-        # Which leaves are split over the replicas, and which are stacked results (one
-        # row per replica), from the structure alone: PerReplica nodes in the treedef.
-        marked = treedef.unflatten(range(n_leaves))
-        kind: list[str | None] = [None] * n_leaves
-        for leaf in jax.tree.leaves(marked, is_leaf=_is_per_replica):
-            if isinstance(leaf, PerReplica):
-                for i in jax.tree.leaves(leaf.value):
-                    kind[i] = "stacked" if leaf.stacked else "split"
-        array_kinds = [k for i, k in enumerate(kind) if i not in static]
+        # Which leaves are split over the replicas, which are stacked results (one row
+        # per replica) and which have a row per group, from the structure alone:
+        # PerReplica and PerGroup nodes in the treedef.
+        kinds = _kinds(treedef.unflatten(range(n_leaves)))
+        array_kinds = [kinds.get(i) for i in range(n_leaves) if i not in static]
         # Replicas that span devices get their replica id as a first, split input:
         # axis_index does not lower in a partly manual program without a context mesh.
-        in_varying = [True] * spans + [k is not None for k in array_kinds]
+        in_kinds: list[str | None] = ["split"] * spans + array_kinds
+        in_varying = [k in ("split", "stacked") for k in in_kinds]  # over the replica axis
+        in_specs = tuple(
+            P(*groups) if k == "group" else P(rep) if k is not None else P() for k in in_kinds
+        )
 
         def per_replica(*arrays: Any, elide: bool = False) -> Any:
-            replica_id = arrays[0][0] if spans else None
+            replica_id = arrays[0][0] % per_group if spans else None
             pairs = zip(arrays[spans:], array_kinds, strict=True)
-            local = [x[0] if k == "stacked" else x for x, k in pairs]
+            local = [x[0] if k in ("stacked", "group") else x for x, k in pairs]
             # Each replica sees the value of its part, not the PerReplica wrapper.
             args, kwargs = jax.tree.map(
-                lambda x: x.value if isinstance(x, PerReplica) else x,
+                lambda x: x.value if _is_distributed(x) else x,
                 treedef.unflatten(with_constants(local)),
-                is_leaf=_is_per_replica,
+                is_leaf=_is_distributed,
             )
             inputs = jax.tree.leaves((args, kwargs))
-            ctx = ReplicaContext(strategy, axis, strategy.cross_device_ops, replica_id, elide)
+            ctx = ReplicaContext(
+                strategy,
+                axis,
+                strategy.cross_device_ops,
+                replica_id,
+                elide,
+                num_replicas=per_group if groups else None,
+            )
             with context._enter_scope(strategy), context._enter_replica(ctx):
                 out = fn(*args, **kwargs)
             _checks.check_traced_step(fn, args, kwargs, inputs, out)
@@ -230,19 +260,35 @@ class ReplicaCompiler:
         def global_fn(*arrays: Any) -> Any:
             if spans:
                 arrays = (jnp.arange(n, dtype=jnp.int32), *arrays)
-            local = [_local_aval(x, v, n) for x, v in zip(arrays, in_varying, strict=True)]
+            local = [
+                _local_aval(x, {"split": n, "stacked": n, "group": g}.get(k, 1))
+                for x, k in zip(arrays, in_kinds, strict=True)
+            ]
             with in_mesh():
                 closed, out_shape = jax.make_jaxpr(
-                    per_replica, axis_env=[(axis, n)], return_shape=True
+                    per_replica, axis_env=axis_env, return_shape=True
                 )(*local)
             _checks.check_captured_consts(fn, closed.consts)
             varying = varying_outputs(closed, in_varying, axis)  # the program as written
+            if groups:  # a result that differs across groups is per replica too
+                across = varying_outputs(closed, [k is not None for k in in_kinds], groups[0])
             paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
+            out_groups = _group_paths(out_tree)
+            for i in out_groups:
+                if varying[i]:
+                    raise _group_varies(fn, paths[i][0])
+            if groups:
+                varying = [
+                    v or (a and i not in out_groups)
+                    for i, (v, a) in enumerate(zip(varying, across, strict=True))
+                ]
             one = spans and n == 1
-            if one:  # what runs: the replica context's collectives over one replica elided
+            # What runs: the replica context's collectives over one replica elided
+            # (XLA rejects an all-reduce over a manual axis of size 1 beside auto axes).
+            if spans and per_group == 1:
                 with in_mesh():
                     closed = jax.make_jaxpr(
-                        functools.partial(per_replica, elide=True), axis_env=[(axis, n)]
+                        functools.partial(per_replica, elide=True), axis_env=axis_env
                     )(*local)
 
             def body(*xs: Any) -> list[Any]:
@@ -250,8 +296,16 @@ class ReplicaCompiler:
                 # A replicated scalar that is ready when the program is: the host waits
                 # on it to bound the calls in flight (results may be donated later).
                 done = jnp.zeros((), jnp.int8)
-                return [*(o[None] if v else o for o, v in zip(outs, varying, strict=True)), done]
+                rows = [
+                    o[None] if v or i in out_groups else o
+                    for i, (o, v) in enumerate(zip(outs, varying, strict=True))
+                ]
+                return [*rows, done]
 
+            out_specs = [
+                P(*groups) if i in out_groups else P(rep) if v else P()
+                for i, v in enumerate(varying)
+            ]
             if one and collectives_over(closed, axis):  # a user's own collective
                 *outs, done = _one_replica(body, arrays, in_varying, axis)
             elif one:  # the replica is the whole program: plain GSPMD
@@ -260,16 +314,18 @@ class ReplicaCompiler:
                 *outs, done = jax.shard_map(
                     body,
                     mesh=mesh,
-                    in_specs=tuple(P(axis) if v else P() for v in in_varying),
-                    out_specs=[*(P(axis) if v else P() for v in varying), P()],
-                    axis_names={axis},
+                    in_specs=in_specs,
+                    out_specs=[*out_specs, P()],
+                    axis_names={*groups, axis},
                     check_vma=False,
                 )(*arrays)
             outs = [
-                PerReplica(_stacked(strategy, o) if spans else o, n, stacked=True)
+                _place_group(strategy, o, out_groups[i])
+                if i in out_groups
+                else PerReplica(_stacked(strategy, o) if spans else o, n, stacked=True)
                 if v
                 else _place_state(strategy, o, layout.path_str(p))
-                for o, v, (p, _) in zip(outs, varying, paths, strict=True)
+                for i, (o, v, (p, _)) in enumerate(zip(outs, varying, paths, strict=True))
             ]
             return jax.tree.unflatten(out_tree, outs), done
 
@@ -364,8 +420,40 @@ def _donated_positions(
     return tuple(sorted(position[i] for i in chosen))
 
 
-def _local_aval(x: Any, varying: bool, n: int) -> jax.ShapeDtypeStruct:
+def _local_aval(x: Any, parts: int) -> jax.ShapeDtypeStruct:
+    """What one replica sees of ``x``, split in ``parts`` along its first axis (1: whole)."""
     shape = tuple(x.shape)
-    if varying:
-        shape = (shape[0] // n, *shape[1:])
+    if parts > 1:
+        shape = (shape[0] // parts, *shape[1:])
     return jax.ShapeDtypeStruct(shape, x.dtype, weak_type=getattr(x, "weak_type", False))
+
+
+def _group_paths(out_tree: Any) -> dict[int, str]:
+    """``{output index: its path inside its PerGroup node}`` for the results a replica
+    function returns per group (the path is what layout rules match)."""
+    marked = out_tree.unflatten(range(out_tree.num_leaves))
+    out: dict[int, str] = {}
+    for node in jax.tree.leaves(marked, is_leaf=_is_distributed):
+        if isinstance(node, PerGroup):
+            for path, i in jax.tree_util.tree_flatten_with_path(node.value)[0]:
+                out[i] = layout.path_str(path)
+    return out
+
+
+def _group_varies(fn: Any, path: Any) -> ValueError:
+    return ValueError(
+        f"`{_checks.fn_name(fn)}` returned a state leaf ({layout.path_str(path)!r}) that "
+        "differs across the replicas of one island: inside an island the replicas must "
+        "keep one state. All-reduce the gradients before applying them (TrainState."
+        "apply_gradients does) or average the values with the replica context's "
+        "all_reduce."
+    )
+
+
+def _place_group(strategy: Strategy, x: jax.Array, path: str) -> jax.Array:
+    """A per-group result (leading group axis) laid out over the groups, and inside each
+    group as the strategy keeps state of its shape and path."""
+    inner = strategy.state_sharding(tuple(x.shape[1:]), path)
+    spec = inner.spec if isinstance(inner, jax.sharding.NamedSharding) else P()
+    target = jax.sharding.NamedSharding(strategy.mesh, P(*strategy._group_axes, *spec))
+    return jax.lax.with_sharding_constraint(x, target)

@@ -99,6 +99,10 @@ class Strategy(abc.ABC):
         other dimensions of batch leaves, e.g. ``{"tokens": P(None, "context")}``
         (``batch_layout.py``).
       min_shard_bytes: with inner axes, FSDP leaves below this size stay replicated.
+      replica_groups: ``(axis name, g)``: ``g`` equal groups of replicas on an outer
+        mesh axis, ``(name, axis_name, *inner)`` (DiLoCo's islands,
+        ``islands/strategy.py``). Batches split over every replica, group by group;
+        inside a step collectives stay in the replica's group.
     """
 
     axis_name = "replica"
@@ -115,9 +119,15 @@ class Strategy(abc.ABC):
         logical_axis_rules: _layout.LogicalAxisRules | None = None,
         batch_layout: Mapping[str, P] | None = None,
         min_shard_bytes: int = sharded.DEFAULT_MIN_SHARD_BYTES,
+        replica_groups: tuple[str, int] | None = None,
     ) -> None:
         self._devices = tuple(devices)
         inner = replica_mesh.resolve_inner_axes(devices_per_replica, self._devices, self.axis_name)
+        # The axes a replica's index runs over: the replica axis, after the group axis
+        # when there are groups. Batches and per-replica results split over all of them.
+        self._group_axes = () if replica_groups is None else (replica_groups[0],)
+        self._replica_axes = (*self._group_axes, self.axis_name)
+        rep_entry = self._replica_axes if self._group_axes else self.axis_name
         given = [
             name
             for name, v in (
@@ -135,12 +145,12 @@ class Strategy(abc.ABC):
             )
         self._inner_axes = inner
         self._devices_per_replica = k = math.prod(inner.values())
-        self._mesh = replica_mesh.replica_mesh(self._devices, inner, self.axis_name)
+        self._mesh = replica_mesh.replica_mesh(self._devices, inner, self.axis_name, replica_groups)
         self._spans_processes = replica_mesh.spans_processes(self._devices, k)
         self._cross_device_ops = resolve(cross_device_ops)
         self._replicated = NamedSharding(self._mesh, P())
         # Stacked per-replica results: one row per replica, whole on each of its devices.
-        self._stacked = NamedSharding(self._mesh, P(self.axis_name))
+        self._stacked = NamedSharding(self._mesh, P(rep_entry))
         # Where state lives: whole on every device (None), or a Layout over the inner
         # axes (here) or over the replicas (shard_state, below).
         self._layout: _layout.Layout | None = None
@@ -159,14 +169,14 @@ class Strategy(abc.ABC):
         # order, so each process's devices hold a contiguous block of rows), whole over
         # the model axes of its layout ("tensor": replica_mesh.row_axes).
         model_axes = self._layout.model_axes if self._layout is not None else frozenset()
-        self._row_axes = replica_mesh.row_axes(self._mesh, self.axis_name, model_axes)
+        self._row_axes = replica_mesh.row_axes(self._mesh, self._replica_axes, model_axes)
         self._split = NamedSharding(
-            self._mesh, P((self.axis_name, *self._row_axes) if inner else self.axis_name)
+            self._mesh, P((*self._replica_axes, *self._row_axes) if inner else rep_entry)
         )
         self._batch_layout = (
             None
             if batch_layout is None
-            else BatchLayout(self._mesh, self.axis_name, batch_layout, row_axes=self._row_axes)
+            else BatchLayout(self._mesh, self._replica_axes, batch_layout, row_axes=self._row_axes)
         )
         self._compiler = ReplicaCompiler(self, max_in_flight)
 
@@ -279,7 +289,7 @@ class Strategy(abc.ABC):
             return contextlib.nullcontext()
         abstract = self._mesh.abstract_mesh
         if self.num_replicas_in_sync > 1:
-            abstract = abstract.update_axis_types({self.axis_name: AxisType.Manual})
+            abstract = abstract.update_axis_types({a: AxisType.Manual for a in self._replica_axes})
         return jax.sharding.use_abstract_mesh(abstract)
 
     def scope(self) -> AbstractContextManager[Strategy]:
@@ -375,7 +385,8 @@ class Strategy(abc.ABC):
         """
         context.require_cross_replica(self, "memory_analysis")
         args, kwargs, donate = _checks.check_run_arguments(fn, args, kwargs, donate_argnums)
-        placed, kw = self._place_abstract((tuple(args), kwargs or {}))
+        fn, args, kwargs = self._prepare_call(fn, tuple(args), kwargs or {})
+        placed, kw = self._place_abstract((args, kwargs))
         m = self._compiler.compile(fn, placed, kw, donate).memory_analysis()
         parts = {
             "argument_bytes": int(m.argument_size_in_bytes),
@@ -385,6 +396,11 @@ class Strategy(abc.ABC):
         }
         peak = parts["argument_bytes"] + parts["output_bytes"] + parts["temp_bytes"]
         return {**parts, "peak_bytes": peak - parts["alias_bytes"]}
+
+    def _prepare_call(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
+        """What the compiler runs for ``run(fn, args, kwargs)``: the same here; a strategy
+        whose state wraps the user's (DiLoCo's islands) adapts the call."""
+        return fn, args, kwargs
 
     def _place_abstract(self, tree: Any) -> Any:
         """``tree`` with each ``jax.ShapeDtypeStruct`` that has no sharding given the
@@ -593,7 +609,7 @@ class Strategy(abc.ABC):
             return (
                 isinstance(s, NamedSharding)
                 and s.mesh == self._mesh
-                and self.axis_name not in jax.tree.leaves(tuple(s.spec))
+                and not set(self._replica_axes) & set(jax.tree.leaves(tuple(s.spec)))
             )
         return x.sharding.is_equivalent_to(self.state_sharding(x.shape), x.ndim)
 

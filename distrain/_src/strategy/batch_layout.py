@@ -33,7 +33,7 @@ class BatchLayout:
 
     Args:
       mesh: the strategy's mesh ``("replica", *inner)``.
-      replica_axis: its replica axis.
+      replica_axis: its replica axis (or axes, group axis first: DiLoCo's islands).
       rules: ``{path pattern: PartitionSpec}``.
       row_axes: the inner axes rows split over (default: all of them; the strategy
         leaves out its model axes, ``replica_mesh.row_axes``).
@@ -47,7 +47,7 @@ class BatchLayout:
     def __init__(
         self,
         mesh: Mesh,
-        replica_axis: str,
+        replica_axis: str | tuple[str, ...],
         rules: Mapping[str, Any],
         *,
         row_axes: Sequence[str] | None = None,
@@ -57,8 +57,10 @@ class BatchLayout:
                 "`batch_layout` must map leaf path patterns to PartitionSpecs, e.g. "
                 f"{{'tokens': P(None, 'context')}}. Received: {rules!r}."
             )
-        self._mesh, self._replica = mesh, replica_axis
-        self._inner = [a for a in mesh.axis_names if a != replica_axis]
+        self._mesh = mesh
+        self._replica = (replica_axis,) if isinstance(replica_axis, str) else tuple(replica_axis)
+        self._replicas = math.prod(mesh.shape[a] for a in self._replica)
+        self._inner = [a for a in mesh.axis_names if a not in self._replica]
         self._row_axes = list(self._inner if row_axes is None else row_axes)
         self._rules = [(_compile(k), k, self._check(k, v)) for k, v in rules.items()]
 
@@ -114,9 +116,9 @@ class BatchLayout:
         without a rule."""
         for rx, pattern, spec in self._rules:
             if rx.search(path):
-                n = self._mesh.shape[self._replica]
-                rows = self._spec(pattern, spec, path, shape, shape[0] * n)[0]
-                free = rows[1:] if isinstance(rows, tuple) else ()  # the replica axis first
+                rows = self._spec(pattern, spec, path, shape, shape[0] * self._replicas)[0]
+                rows = rows if isinstance(rows, tuple) else (rows,)
+                free = rows[len(self._replica) :]  # the replica axes first
                 return P(free or None, *spec[1:])
         return None
 
@@ -141,10 +143,9 @@ class BatchLayout:
                     f"not divisible by {size}. Use a length that is a multiple of {size}."
                 )
         free = self._free(spec)
-        n = self._mesh.shape[self._replica]
         k = math.prod(self._mesh.shape[a] for a in free)
-        row_axes = (self._replica, *free) if (rows // n) % k == 0 else self._replica
-        return P(row_axes, *spec[1:])
+        row_axes = (*self._replica, *free) if (rows // self._replicas) % k == 0 else self._replica
+        return P(row_axes[0] if len(row_axes) == 1 else row_axes, *spec[1:])
 
 
 def _compile(pattern: str) -> re.Pattern[str]:

@@ -115,12 +115,24 @@ def _show(value: Any) -> str:
     return repr(dict(value)) if isinstance(value, Mapping) else repr(value)
 
 
-def replica_mesh(devices: Sequence[jax.Device], inner: Mapping[str, int], axis: str) -> Mesh:
+def replica_mesh(
+    devices: Sequence[jax.Device],
+    inner: Mapping[str, int],
+    axis: str,
+    groups: tuple[str, int] | None = None,
+) -> Mesh:
     """The strategy's mesh: ``(axis,)`` with no inner axis (plain data parallelism), else
-    ``(axis, *inner)``; every axis is ``Auto`` (``run`` makes ``axis`` manual)."""
+    ``(axis, *inner)``; every axis is ``Auto`` (``run`` makes ``axis`` manual).
+
+    ``groups=(name, g)`` puts an outer axis of ``g`` groups of replicas first (DiLoCo's
+    islands): ``(name, axis, *inner)``, replicas numbered group by group.
+    """
     grid = np.array(devices, dtype=object)
-    names = (axis, *inner)
-    return Mesh(grid.reshape(-1, *inner.values()), names, axis_types=(AxisType.Auto,) * len(names))
+    outer = () if groups is None else (groups[0],)
+    sizes = () if groups is None else (groups[1],)
+    names = (*outer, axis, *inner)
+    grid = grid.reshape(*sizes, -1, *inner.values())
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def spans_processes(devices: Sequence[jax.Device], k: int) -> bool:
@@ -130,7 +142,9 @@ def spans_processes(devices: Sequence[jax.Device], k: int) -> bool:
     )
 
 
-def row_axes(mesh: Mesh, axis: str, model_axes: Sequence[str] | frozenset[str]) -> tuple[str, ...]:
+def row_axes(
+    mesh: Mesh, axis: str | tuple[str, ...], model_axes: Sequence[str] | frozenset[str]
+) -> tuple[str, ...]:
     """The inner axes a replica's batch rows split over: all of them but the model axes
     (``Layout.model_axes``: tensor-parallel axes), over which the rows stay whole.
 
@@ -146,26 +160,27 @@ def row_axes(mesh: Mesh, axis: str, model_axes: Sequence[str] | frozenset[str]) 
     spans processes (or that reorders the slices) would need the same rows on two of
     them.
     """
-    inner = [a for a in mesh.axis_names if a != axis]
+    axes = (axis,) if isinstance(axis, str) else axis
+    inner = [a for a in mesh.axis_names if a not in axes]
     rows = tuple(a for a in inner if a not in model_axes)
-    if len(rows) == len(inner) or _process_rows(mesh, axis, rows) != _process_rows(
-        mesh, axis, tuple(inner)
+    if len(rows) == len(inner) or _process_rows(mesh, axes, rows) != _process_rows(
+        mesh, axes, tuple(inner)
     ):
         return tuple(inner)
     return rows
 
 
-def _process_rows(mesh: Mesh, axis: str, rows: tuple[str, ...]) -> dict[int, Any]:
+def _process_rows(mesh: Mesh, axes: tuple[str, ...], rows: tuple[str, ...]) -> dict[int, Any]:
     """Each process's share of a global batch split over ``(axis, *rows)``: the
     fractions ``(first, end)`` of the rows its devices hold, or None when not one
     contiguous block."""
     names = list(mesh.axis_names)
-    sizes = [mesh.shape[a] for a in (axis, *rows)]
+    sizes = [mesh.shape[a] for a in (*axes, *rows)]
     n = math.prod(sizes)
     blocks: dict[int, set[int]] = {}
     grid: Any = mesh.devices
     for idx in np.ndindex(grid.shape):
-        block = np.ravel_multi_index([idx[names.index(a)] for a in (axis, *rows)], sizes)
+        block = np.ravel_multi_index([idx[names.index(a)] for a in (*axes, *rows)], sizes)
         blocks.setdefault(grid[idx].process_index, set()).add(int(block))
     out: dict[int, Any] = {}
     for p, held in blocks.items():

@@ -1,0 +1,371 @@
+"""``dt.experimental.DiLoCoStrategy``: islands on a mesh axis, the user's train_step.
+
+Every figure is checked against the framework-free reference driver
+(``islands/outer.py``, itself checked against torchft's and MaxText's numbers in
+test_islands_outer.py), against MaxText's case directly, and against data parallelism
+at H = 1.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import distrain as dt
+from distrain._src.islands import outer
+from distrain._src.islands.schedule import DiLoCoConfig
+
+NESTEROV = optax.sgd(0.7, momentum=0.9, nesterov=True)
+
+
+def _params(rng: np.random.Generator) -> dict:
+    return {
+        "dense": {
+            "kernel": jnp.asarray(rng.standard_normal((4, 8)).astype(np.float32)),
+            "bias": jnp.zeros((8,)),
+        },
+        "out": {"kernel": jnp.asarray(rng.standard_normal((8, 2)).astype(np.float32) * 0.3)},
+    }
+
+
+def _loss(params, batch):
+    x, y = batch
+    h = jnp.tanh(x @ params["dense"]["kernel"] + params["dense"]["bias"])
+    return jnp.sum(jnp.square(h @ params["out"]["kernel"] - y), axis=-1)  # per example
+
+
+def train_step(state, batch):
+    def loss_fn(p):
+        return dt.compute_average_loss(_loss(p, batch))
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def _data(rng: np.random.Generator, steps: int, rows: int = 16) -> list:
+    return [
+        (
+            rng.standard_normal((rows, 4)).astype(np.float32),
+            rng.standard_normal((rows, 2)).astype(np.float32),
+        )
+        for _ in range(steps)
+    ]
+
+
+def _reference(config, params, tx, batches, islands):
+    """The reference driver: each island's step is the mean-loss step on its rows."""
+
+    def island_step(state, batch):
+        grads = jax.grad(lambda p: jnp.mean(_loss(p, batch)))(state.params)
+        return state.apply_gradients(grads=grads), None
+
+    state = outer.init(config, dt.TrainState.create(params=params, tx=tx), islands=islands)
+    step = jax.jit(lambda s, b: outer.diloco_step(config, s, island_step, b)[0])
+    states = []
+    for x, y in batches:
+        split = jax.tree.map(lambda a: a.reshape(islands, -1, *a.shape[1:]), (x, y))
+        state = step(state, split)
+        states.append(state)
+    return states
+
+
+CASES = {
+    "diloco": ({"sync_every": 3}, {}),
+    "streaming": (
+        {"sync_every": 4, "fragments": 2, "fragment_sync_delay": 1, "fragment_update_alpha": 0.5},
+        {},
+    ),
+    "int8": ({"sync_every": 2, "outer_dtype": "int8"}, {}),
+    "fsdp_inside": ({"sync_every": 3}, {"devices_per_replica": {"fsdp": 2}, "min_shard_bytes": 0}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_every_step_equals_the_reference_driver(devices, case):
+    """2 islands of 8 devices: the global parameters, each island's parameters and inner
+    optimizer state, and the counter after every step equal the reference driver's (the
+    island's all-reduced gradient is the gradient of its rows' mean)."""
+    diloco, extra = CASES[case]
+    strategy = dt.experimental.DiLoCoStrategy(
+        islands=2, outer_optimizer=NESTEROV, **diloco, **extra
+    )
+    config = DiLoCoConfig(outer_optimizer=NESTEROV, **diloco)
+    rng = np.random.default_rng(0)
+    params, tx = _params(rng), optax.adam(0.05)
+    batches = _data(rng, 9)
+    expected = _reference(config, params, tx, batches, islands=2)
+
+    state = strategy.put_replicated(dt.TrainState.create(params=params, tx=tx))
+    assert isinstance(state, dt.experimental.DiLoCoState)
+    for i, batch in enumerate(batches):
+        state, _ = strategy.run(train_step, args=(state, strategy.distribute_batch(batch)))
+        want = expected[i]
+        assert int(state.step) == int(want.step) == i + 1
+        for got, ref in (
+            (state.params, want.params),
+            (state.inner.params, want.inner.params),
+            (state.inner.opt_state, want.inner.opt_state),
+        ):
+            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref), strict=True):
+                np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5, err_msg=f"step {i + 1}")
+
+
+def test_maxtext_diloco_case_through_the_strategy(devices):
+    """MaxText's DiLoCoTest (see test_islands_outer.py) with the user's step as it would
+    be written for MirroredStrategy: 2 islands of one replica, losses 1.0, 0.65, 0.4481,
+    0.574244, and the global model after the sync at step 3 equal to both islands'."""
+    strategy = dt.experimental.DiLoCoStrategy(
+        islands=2,
+        sync_every=3,
+        outer_optimizer=optax.sgd(1.0, momentum=0.9, nesterov=True),
+        devices=devices[:2],
+    )
+    params = {"kernel": jnp.array([[2.0], [1.0]]), "bias": jnp.ones((1,))}
+
+    def step(state, batch):
+        x, y = batch
+
+        def loss_fn(p):
+            return dt.compute_average_loss(jnp.square(x @ p["kernel"] + p["bias"] - y)[:, 0])
+
+        loss, grads = jax.value_and_grad(loss_fn)(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    x = np.array([[0.0, 1.0], [1.0, 0.0], [1.0, 0.0], [0.0, 1.0]], np.float32)  # island-major
+    y = np.array([[1.0], [2.0], [2.0], [3.0]], np.float32)
+    state = strategy.put_replicated(dt.TrainState.create(params=params, tx=optax.sgd(0.1)))
+    losses, states = [], []
+    for _ in range(4):
+        state, loss = strategy.run(step, args=(state, strategy.distribute_batch((x, y))))
+        losses.append(float(strategy.reduce("mean", loss)))
+        states.append(state)
+    np.testing.assert_allclose(losses, [1.0, 0.65, 0.4481, 0.574244], rtol=1e-6)
+    for s in states[:2]:
+        jax.tree.map(np.testing.assert_array_equal, s.params, params)
+    np.testing.assert_allclose(states[2].params["kernel"], [[1.5345], [1.0494]], atol=1e-4)
+    np.testing.assert_allclose(states[2].params["bias"], [0.5839], atol=1e-4)
+    for island in range(2):
+        jax.tree.map(
+            lambda g, i, k=island: np.testing.assert_array_equal(g, i[k]),
+            states[2].params,
+            states[2].inner.params,
+        )
+
+
+def test_sync_every_1_with_sgd_equals_mirrored_data_parallel(devices):
+    """H = 1, outer SGD 1.0 and an SGD inner optimizer is synchronous data parallelism:
+    4 islands of 2 replicas against MirroredStrategy over the same 8 devices and batches,
+    to float rounding (4 ulps of the parameters per step)."""
+    rng = np.random.default_rng(1)
+    params, tx = _params(rng), optax.sgd(0.1)
+    batches = _data(rng, 6)
+    diloco = dt.experimental.DiLoCoStrategy(islands=4, sync_every=1, outer_optimizer=optax.sgd(1.0))
+    mirrored = dt.MirroredStrategy()
+    d_state = diloco.put_replicated(dt.TrainState.create(params=params, tx=tx))
+    m_state = mirrored.put_replicated(dt.TrainState.create(params=params, tx=tx))
+
+    def mean_step(state, batch):  # the global batch's mean, over the islands' replicas
+        loss, grads = jax.value_and_grad(lambda p: jnp.mean(_loss(p, batch)))(state.params)
+        ctx = dt.get_replica_context()
+        grads = ctx.all_reduce("mean", grads)
+        return state.apply_gradients(grads=grads, all_reduce=False), loss
+
+    for batch in batches:
+        d_state, _ = diloco.run(mean_step, args=(d_state, diloco.distribute_batch(batch)))
+        m_state, _ = mirrored.run(mean_step, args=(m_state, mirrored.distribute_batch(batch)))
+    for a, b in zip(jax.tree.leaves(d_state.params), jax.tree.leaves(m_state.params), strict=True):
+        scale = float(jnp.max(jnp.abs(b)))
+        np.testing.assert_allclose(a, b, rtol=0, atol=len(batches) * 4 * 2.0**-23 * scale)
+
+
+def test_the_replica_context_inside_a_step_is_the_islands(devices):
+    """Inside a step: the island's replica count, replica ids 0..3 in each island, and an
+    all_reduce that stays in the island; outside, every replica of every island."""
+    strategy = dt.experimental.DiLoCoStrategy(islands=2, sync_every=4, outer_optimizer=NESTEROV)
+    assert (strategy.num_replicas_in_sync, strategy.replicas_per_island) == (8, 4)
+    assert [strategy.island_of(r) for r in range(8)] == [0] * 4 + [1] * 4
+
+    def step(x):
+        ctx = dt.get_replica_context()
+        return ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group, ctx.all_reduce("sum", x)
+
+    rows = strategy.distribute_batch(np.arange(8, dtype=np.float32))
+    n, ids, sums = strategy.run(step, args=(rows,))
+    assert int(n) == 4
+    assert [int(i) for i in strategy.experimental_local_results(ids)] == [0, 1, 2, 3] * 2
+    assert [float(s[0]) for s in strategy.experimental_local_results(sums)] == [6.0] * 4 + [
+        22.0
+    ] * 4
+
+
+def test_island_state_in_the_cross_replica_api(devices):
+    """experimental_local_results of an island-varying leaf: one component per replica,
+    its island's row; reduce and gather count every replica of every island; the global
+    view is a TrainState with the global parameters; put_replicated of a placed
+    DiLoCoState returns it unchanged (the Trainer calls it again)."""
+    strategy = dt.experimental.DiLoCoStrategy(islands=2, sync_every=5, outer_optimizer=NESTEROV)
+    rng = np.random.default_rng(2)
+    state = strategy.put_replicated(dt.TrainState.create(params=_params(rng), tx=optax.sgd(0.1)))
+    assert strategy.put_replicated(state) is state
+    state, loss = strategy.run(
+        train_step, args=(state, strategy.distribute_batch(_data(rng, 1)[0]))
+    )
+    bias = state.inner.params["dense"]["bias"]
+    assert bias.shape == (2, 8) and bias.sharding.spec == P("island")
+    local = strategy.experimental_local_results(bias)
+    assert len(local) == 8
+    for r, component in enumerate(local):
+        np.testing.assert_array_equal(component, bias[r // 4])
+    assert not np.array_equal(bias[0], bias[1])  # the islands trained apart
+    np.testing.assert_allclose(strategy.reduce("mean", bias), jnp.mean(bias, 0), rtol=1e-6)
+    assert strategy.gather(bias).shape == (64,)
+    # The loss is each replica's share of its island's mean: summed over all replicas it
+    # is the sum of the islands' means.
+    assert strategy.reduce("sum", loss).shape == ()
+
+    view = strategy.global_view(state)
+    assert isinstance(view, dt.TrainState)
+    jax.tree.map(np.testing.assert_array_equal, view.params, state.params)
+    assert int(view.step) == 1
+
+
+def test_layout_rules_lay_out_each_islands_state(devices):
+    """devices_per_replica inside islands: an island's copy of a leaf is split over its
+    replica's devices by the layout rules, the island axis first; the global parameters
+    as MirroredStrategy keeps them."""
+    strategy = dt.experimental.DiLoCoStrategy(
+        islands=2,
+        sync_every=2,
+        outer_optimizer=NESTEROV,
+        devices_per_replica={"fsdp": 2},
+        layout={"dense/kernel": P(None, "fsdp")},
+    )
+    rng = np.random.default_rng(3)
+    state = strategy.put_replicated(dt.TrainState.create(params=_params(rng), tx=optax.sgd(0.1)))
+    assert state.inner.params["dense"]["kernel"].sharding.spec == P("island", None, "fsdp")
+    assert state.params["dense"]["kernel"].sharding.spec == P(None, "fsdp")
+    state, _ = strategy.run(train_step, args=(state, strategy.distribute_batch(_data(rng, 1)[0])))
+    assert state.inner.params["dense"]["kernel"].sharding.spec == P("island", None, "fsdp")
+
+
+def test_a_restored_state_resumes_mid_round_exactly(devices, tmp_path):
+    """Every counter is an array leaf: a DiLoCoState saved with orbax after step 3 of a
+    round of 4 (fragment 0 in flight) and restored into a fresh template continues
+    exactly as the run that was not interrupted."""
+    strategy = dt.experimental.DiLoCoStrategy(
+        islands=2,
+        sync_every=4,
+        outer_optimizer=NESTEROV,
+        fragments=2,
+        fragment_sync_delay=1,
+    )
+    rng = np.random.default_rng(4)
+    params = _params(rng)
+    batches = [strategy.distribute_batch(b) for b in _data(rng, 8)]
+
+    def fresh():
+        return strategy.put_replicated(dt.TrainState.create(params=params, tx=optax.adam(0.01)))
+
+    straight = fresh()
+    for b in batches:
+        straight, _ = strategy.run(train_step, args=(straight, b))
+
+    state = fresh()
+    for b in batches[:3]:
+        state, _ = strategy.run(train_step, args=(state, b))
+    manager = dt.checkpoint.CheckpointManager(tmp_path)
+    manager.save(3, state)
+    manager.wait_until_finished()
+    template = fresh()
+    restored = manager.restore(3, target=template).state
+    assert int(restored.step) == 3
+    assert restored.inner.params["dense"]["bias"].sharding == template.inner.params["dense"]["bias"].sharding
+    for b in batches[3:]:
+        restored, _ = strategy.run(train_step, args=(restored, b))
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(restored), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_the_inner_step_has_no_collective_across_islands(devices):
+    """In the compiled step, every collective whose replica groups cross islands is in
+    a branch of the outer step's conditional; the inner step's all-reduces stay inside
+    an island."""
+    from benchmarks.islands import collectives
+
+    strategy = dt.experimental.DiLoCoStrategy(islands=2, sync_every=4, outer_optimizer=NESTEROV)
+    rng = np.random.default_rng(5)
+    state = strategy.put_replicated(dt.TrainState.create(params=_params(rng), tx=optax.sgd(0.1)))
+    batch = strategy.distribute_batch(_data(rng, 1)[0])
+    call = strategy._prepare_call(train_step, (state, batch), {})
+    hlo = strategy._compiler.compile(*call).as_text()
+    found = collectives(hlo, island_of=lambda d: d // 4)
+    inner = [c for c in found if not c.in_branch]
+    assert inner and all(not c.crosses for c in inner)
+    assert any(c.crosses for c in found if c.in_branch)
+
+
+# --- wrong input -------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "kwargs,error,match",
+    [
+        ({"islands": 3}, ValueError, r"islands=3 must divide the 8 devices"),
+        ({"islands": 0}, ValueError, r"islands must be an int >= 1"),
+        ({"islands": 4, "devices_per_replica": 4}, ValueError, r"Each island has 2 devices"),
+        ({"islands": 2, "devices_per_replica": {"island": 2}}, ValueError, r"'island'"),
+        ({"islands": 2, "sync_every": 0}, ValueError, r"sync_every"),
+        ({"islands": 2, "outer_optimizer": optax.sgd}, TypeError, r"call it"),
+        ({"islands": 2, "fragments": 3, "sync_every": 4}, ValueError, r"divisible"),
+        ({"islands": 2, "fragment_update_alpha": 1.5}, ValueError, r"\[0, 1\]"),
+        ({"islands": 2, "fragment_sync_delay": 2, "sync_every": 2}, ValueError, r"delay"),
+    ],
+)
+def test_constructor_errors(devices, kwargs, error, match):
+    full = {"sync_every": 4, "outer_optimizer": NESTEROV, **kwargs}
+    with pytest.raises(error, match=match):
+        dt.experimental.DiLoCoStrategy(**full)
+
+
+def test_run_errors(devices):
+    strategy = dt.experimental.DiLoCoStrategy(islands=2, sync_every=4, outer_optimizer=NESTEROV)
+    rng = np.random.default_rng(6)
+    state = strategy.put_replicated(dt.TrainState.create(params=_params(rng), tx=optax.sgd(0.1)))
+    batch = strategy.distribute_batch(_data(rng, 1)[0])
+
+    def no_state(state, batch):
+        return jnp.mean(_loss(state.params, batch))
+
+    with pytest.raises(TypeError, match=r"global_view"):
+        strategy.run(no_state, args=(state, batch))
+
+    def not_reduced(state, batch):  # each replica applies its own gradient
+        grads = jax.grad(lambda p: jnp.mean(_loss(p, batch)))(state.params)
+        return state.apply_gradients(grads=grads, all_reduce=False)
+
+    with pytest.raises(ValueError, match=r"differs across the replicas of one island"):
+        strategy.run(not_reduced, args=(state, batch))
+
+    with pytest.raises(ValueError, match=r"2 DiLoCoState arguments"):
+        strategy.run(lambda a, b: (a, b), args=(state, state))
+
+    with pytest.raises(TypeError, match=r"train state with `params`"):
+        strategy.put_replicated({"w": jnp.ones(3)})
+
+    with pytest.raises(TypeError, match=r"global_view takes the DiLoCoState"):
+        strategy.global_view(strategy.global_view(state))
+
+
+def test_repr_and_config(devices):
+    strategy = dt.experimental.DiLoCoStrategy(islands=4, sync_every=8, outer_optimizer=NESTEROV)
+    assert re.fullmatch(
+        r"DiLoCoStrategy\(islands=4, sync_every=8, num_replicas_in_sync=8\)", repr(strategy)
+    )
+    assert strategy.config.sync_every == 8 and strategy.islands == 4
+    assert strategy.mesh.axis_names == ("island", "replica")
