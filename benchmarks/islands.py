@@ -28,16 +28,10 @@ Example::
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import json
 import math
-import os
 import re
-import sys
-import time
 from collections.abc import Callable
-from typing import Any
 
 # --- reading collectives from optimized HLO ----------------------------------------
 

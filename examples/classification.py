@@ -170,9 +170,7 @@ def classification_train_step(
         return dt.compute_average_loss(per_example, mask=mask), (logits, per_example)
 
     # state.value_and_grad: jax.value_and_grad under the state's mixed-precision policy.
-    (_, (logits, per_example)), grads = state.value_and_grad(loss_fn, has_aux=True)(
-        state.params
-    )
+    (_, (logits, per_example)), grads = state.value_and_grad(loss_fn, has_aux=True)(state.params)
     state = state.apply_gradients(grads=grads)
     return state, {
         "loss": Mean.from_values(per_example, mask=mask),

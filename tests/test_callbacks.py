@@ -406,7 +406,11 @@ def test_two_callbacks_saving_state_under_one_key_are_refused(strategy):
         def state_dict(self):
             return {"n": 1}
 
-    with pytest.raises(ValueError, match=r"Two callbacks save their state under the key "
-                                         r"'Counter'.*distinct `state_key`"):
-        Trainer(strategy, train_step).fit(new_state(), pipeline(), epochs=1,
-                                          callbacks=[Counter(), Counter()])
+    with pytest.raises(
+        ValueError,
+        match=r"Two callbacks save their state under the key "
+        r"'Counter'.*distinct `state_key`",
+    ):
+        Trainer(strategy, train_step).fit(
+            new_state(), pipeline(), epochs=1, callbacks=[Counter(), Counter()]
+        )

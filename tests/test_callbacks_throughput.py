@@ -61,7 +61,10 @@ def test_throughput_mfu_with_a_given_peak(devices):
         assert r["mfu"] == pytest.approx(fpe * r["examples_per_sec"] / (peak * 8)) and r["mfu"] > 0
         assert "tokens_per_sec" not in r
     per_token = dt.callbacks.Throughput(
-        BATCH, tokens_per_example=10, flops_per_token=7.0, peak_flops_per_device=peak,
+        BATCH,
+        tokens_per_example=10,
+        flops_per_token=7.0,
+        peak_flops_per_device=peak,
         num_devices=2,
     )
     assert per_token.flops_per_example == 70.0
@@ -77,7 +80,9 @@ def test_throughput_window_restarts_after_epoch_end(devices):
     tp.print_fn = lines.append
     _fit(
         [dt.callbacks.LambdaCallback(on_epoch_end=slow_epoch_end), tp],
-        steps=None, epochs=2, steps_per_epoch=4,
+        steps=None,
+        epochs=2,
+        steps_per_epoch=4,
     )
     assert [r["step"] for r in tp.records] == [4, 6, 8]
     assert tp.records[1]["seconds"] < 0.5  # the window after the epoch end left it out

@@ -41,9 +41,9 @@ def test_make_or_restore_with_model_checkpoint_writes_every_run(strategy, tmp_pa
         if restored is not None:
             state = restored.state
         trainer = Trainer(strategy, train_step)
-        return trainer.fit(
-            state, pipeline(), epochs=epochs, callbacks=[cb.ModelCheckpoint(ckpt)]
-        )[0]
+        return trainer.fit(state, pipeline(), epochs=epochs, callbacks=[cb.ModelCheckpoint(ckpt)])[
+            0
+        ]
 
     first = run_training()
     second = run_training()  # resumes from `first` and trains one more epoch
@@ -57,9 +57,7 @@ def test_make_or_restore_with_model_checkpoint_writes_every_run(strategy, tmp_pa
     assert not np.array_equal(_leaves(newest.state.params), _leaves(first.params))
 
 
-def test_model_checkpoint_resumed_by_backup_keeps_the_trainer_step_numbering(
-    strategy, tmp_path
-):
+def test_model_checkpoint_resumed_by_backup_keeps_the_trainer_step_numbering(strategy, tmp_path):
     def crash(info):
         if info.step >= 7:
             raise RuntimeError("simulated crash")

@@ -23,7 +23,11 @@ def make_newest(ci: str | None) -> subprocess.CompletedProcess:
         env["CI"] = ci
     return subprocess.run(
         ["make", "--no-print-directory", "test-newest", "PYTHON_NEW="],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
 
 
@@ -46,7 +50,9 @@ def test_find_python_finds_this_interpreter_and_nothing_for_an_absent_version():
     assert found.returncode == 0 and found.stdout.strip()
     version = subprocess.run(
         [found.stdout.strip(), "-c", "import sys; print(sys.version_info[:2])"],
-        capture_output=True, text=True, timeout=30,
+        capture_output=True,
+        text=True,
+        timeout=30,
     ).stdout.strip()
     assert version == str(sys.version_info[:2])
     absent = subprocess.run([script, "3.99"], capture_output=True, text=True, timeout=30)
@@ -56,9 +62,23 @@ def test_find_python_finds_this_interpreter_and_nothing_for_an_absent_version():
 def _collected(end: str, *files: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "DISTRAIN_TEST_END": end}
     return subprocess.run(
-        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
-         "-p", "no:xdist", *files],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "--collect-only",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            "-p",
+            "no:xdist",
+            *files,
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
 
 
@@ -84,7 +104,10 @@ def test_make_test_names_the_end_each_run_is():
     def dry(target: str, python_new: str) -> str:
         return subprocess.run(
             ["make", "-n", "--no-print-directory", target, f"PYTHON_NEW={python_new}"],
-            cwd=ROOT, capture_output=True, text=True, timeout=60,
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
         ).stdout
 
     assert "DISTRAIN_TEST_END=lowest " in dry("test-lowest", sys.executable)

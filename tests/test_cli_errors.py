@@ -30,7 +30,11 @@ def _run(args, tmp_path, devices=8, timeout=180, **extra):
         env.pop("DISTRAIN_DEBUG", None)
     proc = subprocess.Popen(
         [sys.executable, "-m", "distrain.cli", "train", *args],
-        cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        cwd=tmp_path,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
         start_new_session=True,
     )
     try:
@@ -62,7 +66,8 @@ def _offline_env(tmp_path):
 def test_mnist_config_offline_is_one_line_saying_where_to_put_the_files(tmp_path, config):
     rc, _, err = _run(
         ["--config", os.path.join(CONFIGS, config), "--no-progress"],
-        tmp_path, **_offline_env(tmp_path),
+        tmp_path,
+        **_offline_env(tmp_path),
     )
     line = _one_error_line(err)
     assert rc == 2
@@ -78,8 +83,12 @@ def test_mnist_config_offline_is_one_line_saying_where_to_put_the_files(tmp_path
 
 def test_batch_not_divisible_by_replicas_is_one_line(tmp_path):
     rc, _, err = _run(
-        ["--config", os.path.join(CONFIGS, "quickstart.yaml"), "--no-progress",
-         "data.global_batch_size=60"],
+        [
+            "--config",
+            os.path.join(CONFIGS, "quickstart.yaml"),
+            "--no-progress",
+            "data.global_batch_size=60",
+        ],
         tmp_path,
     )
     line = _one_error_line(err)
@@ -90,8 +99,12 @@ def test_batch_not_divisible_by_replicas_is_one_line(tmp_path):
 
 def test_eval_batch_not_divisible_by_replicas_is_one_line(tmp_path):
     rc, _, err = _run(
-        ["--config", os.path.join(CONFIGS, "quickstart.yaml"), "--no-progress",
-         "data.eval_batch_size=100"],
+        [
+            "--config",
+            os.path.join(CONFIGS, "quickstart.yaml"),
+            "--no-progress",
+            "data.eval_batch_size=100",
+        ],
         tmp_path,
     )
     line = _one_error_line(err)
@@ -99,18 +112,22 @@ def test_eval_batch_not_divisible_by_replicas_is_one_line(tmp_path):
 
 
 def _failing_step_config(tmp_path):
-    (tmp_path / "failing_task.py").write_text(textwrap.dedent("""
+    (tmp_path / "failing_task.py").write_text(
+        textwrap.dedent("""
         def step(state, batch, *, apply_fn):
             raise RuntimeError("boom from the user's train_step\\nsecond line")
-    """))
+    """)
+    )
     cfg = tmp_path / "fail.yaml"
-    cfg.write_text(textwrap.dedent("""
+    cfg.write_text(
+        textwrap.dedent("""
         name: fail
         model: {fn: "examples.classification:mlp", kwargs: {input_shape: [8, 8, 1]}}
         data: {fn: "examples.classification:digits"}
         train: {train_step: "failing_task:step", epochs: 1}
         logging: {progress_bar: false}
-    """))
+    """)
+    )
     return str(cfg)
 
 

@@ -76,8 +76,10 @@ def test_tf_config_read_from_environment(monkeypatch):
 # TensorFlow's resolver interface, ported from TF's
 # tensorflow/python/distribute/cluster_resolver/tfconfig_cluster_resolver_test.py
 # (TFConfigClusterResolverTest, test names cited) and cluster_resolver.py.
-TF_TEST_CLUSTER = {"ps": ["ps0:2222", "ps1:2222"],
-                   "worker": ["worker0:2222", "worker1:2222", "worker2:2222"]}
+TF_TEST_CLUSTER = {
+    "ps": ["ps0:2222", "ps1:2222"],
+    "worker": ["worker0:2222", "worker1:2222", "worker2:2222"],
+}
 
 
 def _tf_test_config(**extra):
@@ -118,8 +120,9 @@ def test_tf_master_reads():
 
 
 def test_tf_parameter_overrides():  # testParameterOverrides (TF's constructor overrides)
-    config = json.dumps({"cluster": TF_TEST_CLUSTER, "rpc_layer": "grpc",
-                         "task": {"type": "ps", "index": 1}})
+    config = json.dumps(
+        {"cluster": TF_TEST_CLUSTER, "rpc_layer": "grpc", "task": {"type": "ps", "index": 1}}
+    )
     r = TFConfigClusterResolver(config, task_type="ps", task_id=0)
     assert (r.master(), r.task_type, r.task_id) == ("grpc://ps0:2222", "ps", 0)
     r = TFConfigClusterResolver(config, task_type="worker", task_id=1, rpc_layer="test")
@@ -142,8 +145,11 @@ def test_resolvers_have_tf_defaults_and_count_accelerators(devices):
     assert (single.rpc_layer, single.environment) == (None, "")
     assert single.num_accelerators() == {}  # 8 CPU devices here: no accelerator
     assert single.num_accelerators("worker", 0) == {}
-    with pytest.raises(ValueError, match=r"own devices only.*task_type='worker', task_id=0.*"
-                       r"task_type='worker', task_id=1"):
+    with pytest.raises(
+        ValueError,
+        match=r"own devices only.*task_type='worker', task_id=0.*"
+        r"task_type='worker', task_id=1",
+    ):
         single.num_accelerators("worker", 1)
     two = SimpleClusterResolver("127.0.0.1:1234", 2, 1)
     with pytest.raises(RuntimeError, match=r"job of 2 processes.*after the cluster is joined"):
@@ -194,8 +200,13 @@ def test_tf_config_accepts_a_dict_and_local_device_count():
         ),
         (tf_config({"worker": ["a:1"]}, "worker", "zero"), r"index'\] must be an integer.*'zero'"),
         (
-            json.dumps({"cluster": {"worker": ["a:1"]}, "task": {"type": "worker", "index": 0},
-                        "rpc_layer": 7}),
+            json.dumps(
+                {
+                    "cluster": {"worker": ["a:1"]},
+                    "task": {"type": "worker", "index": 0},
+                    "rpc_layer": 7,
+                }
+            ),
             r"rpc_layer must be a string.*Received: 7",
         ),
         (

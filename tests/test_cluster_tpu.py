@@ -23,11 +23,24 @@ from distrain._src.cluster import gce
 from distrain._src.cluster.gce import Metadata, parse_tpu_env
 
 TPU_VARIABLES = (
-    "TPU_WORKER_ID", "TPU_WORKER_HOSTNAMES", "TPU_PROCESS_ADDRESSES", "TPU_ACCELERATOR_TYPE",
-    "TPU_TOPOLOGY", "TPU_HOST_BOUNDS", "TPU_PROCESS_BOUNDS", "TPU_CHIPS_PER_HOST_BOUNDS",
-    "TPU_TOPOLOGY_WRAP", "TPU_SKIP_MDS_QUERY", "TPU_NAME", "MEGASCALE_COORDINATOR_ADDRESS",
-    "MEGASCALE_NUM_SLICES", "MEGASCALE_SLICE_ID", "MEGASCALE_PORT", "JAX_COORDINATOR_PORT",
-    "GCE_METADATA_HOST", "GCE_METADATA_IP",
+    "TPU_WORKER_ID",
+    "TPU_WORKER_HOSTNAMES",
+    "TPU_PROCESS_ADDRESSES",
+    "TPU_ACCELERATOR_TYPE",
+    "TPU_TOPOLOGY",
+    "TPU_HOST_BOUNDS",
+    "TPU_PROCESS_BOUNDS",
+    "TPU_CHIPS_PER_HOST_BOUNDS",
+    "TPU_TOPOLOGY_WRAP",
+    "TPU_SKIP_MDS_QUERY",
+    "TPU_NAME",
+    "MEGASCALE_COORDINATOR_ADDRESS",
+    "MEGASCALE_NUM_SLICES",
+    "MEGASCALE_SLICE_ID",
+    "MEGASCALE_PORT",
+    "JAX_COORDINATOR_PORT",
+    "GCE_METADATA_HOST",
+    "GCE_METADATA_IP",
 )
 
 
@@ -168,41 +181,86 @@ def test_tpu_name_is_checked_against_tpu_name(monkeypatch):
 
 # --------------------------------------------------------------- errors, one per path
 ERRORS = [
-    ({"TPU_WORKER_ID": "abc"}, r"TPU_WORKER_ID must be an integer >= 0\. Received: "
-     r"TPU_WORKER_ID='abc' \(set by GKE's TPU webhook"),
-    ({"TPU_WORKER_ID": "-1"}, r"TPU_WORKER_ID must be an integer >= 0\. Received: "
-     r"TPU_WORKER_ID='-1'"),
-    ({"TPU_WORKER_HOSTNAMES": None}, r"the slice's hosts must be given with the worker id "
-     r"TPU_WORKER_ID='1'.*Expected TPU_WORKER_HOSTNAMES \(set by GKE.*Received: unset"),
-    ({"TPU_WORKER_HOSTNAMES": "a.t,,c.t"}, r"TPU_WORKER_HOSTNAMES must be a comma-separated list.*"
-     r"Received: TPU_WORKER_HOSTNAMES='a.t,,c.t' .*entry ''"),
-    ({"TPU_WORKER_ID": "2"}, r"worker id must be in 0\.\.1, one per host of TPU_WORKER_HOSTNAMES="
-     r"'train-slice-0-0.train,train-slice-0-1.train'.*Received: TPU_WORKER_ID='2'"),
-    ({"TPU_HOST_BOUNDS": "1,1,4"}, r"host count disagrees: TPU_HOST_BOUNDS='1,1,4' \(set by GKE: "
-     r"the slice's hosts per dimension\) gives 4 hosts, but TPU_WORKER_HOSTNAMES=.* lists 2"),
+    (
+        {"TPU_WORKER_ID": "abc"},
+        r"TPU_WORKER_ID must be an integer >= 0\. Received: "
+        r"TPU_WORKER_ID='abc' \(set by GKE's TPU webhook",
+    ),
+    (
+        {"TPU_WORKER_ID": "-1"},
+        r"TPU_WORKER_ID must be an integer >= 0\. Received: "
+        r"TPU_WORKER_ID='-1'",
+    ),
+    (
+        {"TPU_WORKER_HOSTNAMES": None},
+        r"the slice's hosts must be given with the worker id "
+        r"TPU_WORKER_ID='1'.*Expected TPU_WORKER_HOSTNAMES \(set by GKE.*Received: unset",
+    ),
+    (
+        {"TPU_WORKER_HOSTNAMES": "a.t,,c.t"},
+        r"TPU_WORKER_HOSTNAMES must be a comma-separated list.*"
+        r"Received: TPU_WORKER_HOSTNAMES='a.t,,c.t' .*entry ''",
+    ),
+    (
+        {"TPU_WORKER_ID": "2"},
+        r"worker id must be in 0\.\.1, one per host of TPU_WORKER_HOSTNAMES="
+        r"'train-slice-0-0.train,train-slice-0-1.train'.*Received: TPU_WORKER_ID='2'",
+    ),
+    (
+        {"TPU_HOST_BOUNDS": "1,1,4"},
+        r"host count disagrees: TPU_HOST_BOUNDS='1,1,4' \(set by GKE: "
+        r"the slice's hosts per dimension\) gives 4 hosts, but TPU_WORKER_HOSTNAMES=.* lists 2",
+    ),
     ({"TPU_HOST_BOUNDS": "1,x"}, r"TPU_HOST_BOUNDS must be positive integers separated by ','"),
-    ({"TPU_TOPOLOGY": "2x2xq"}, r"TPU_TOPOLOGY must be positive integers separated by 'x'.*"
-     r"Received: TPU_TOPOLOGY='2x2xq' \(set by GKE, from the node selector"),
-    ({"MEGASCALE_NUM_SLICES": "two"}, r"MEGASCALE_NUM_SLICES must be an integer >= 1\. Received: "
-     r"MEGASCALE_NUM_SLICES='two' \(set by the multislice launcher"),
+    (
+        {"TPU_TOPOLOGY": "2x2xq"},
+        r"TPU_TOPOLOGY must be positive integers separated by 'x'.*"
+        r"Received: TPU_TOPOLOGY='2x2xq' \(set by GKE, from the node selector",
+    ),
+    (
+        {"MEGASCALE_NUM_SLICES": "two"},
+        r"MEGASCALE_NUM_SLICES must be an integer >= 1\. Received: "
+        r"MEGASCALE_NUM_SLICES='two' \(set by the multislice launcher",
+    ),
     ({"MEGASCALE_NUM_SLICES": "0"}, r"MEGASCALE_NUM_SLICES must be an integer >= 1"),
-    ({"MEGASCALE_NUM_SLICES": "2", "MEGASCALE_COORDINATOR_ADDRESS": "c"},
-     r"MEGASCALE_SLICE_ID \(set by .*job-index\) must be set in a multislice job, "
-     r"MEGASCALE_NUM_SLICES='2'"),
-    ({"MEGASCALE_NUM_SLICES": "2", "MEGASCALE_SLICE_ID": "2", "MEGASCALE_COORDINATOR_ADDRESS": "c"},
-     r"MEGASCALE_SLICE_ID must be in 0\.\.1 \(MEGASCALE_NUM_SLICES='2'.*Received: "
-     r"MEGASCALE_SLICE_ID='2'"),
-    ({"MEGASCALE_NUM_SLICES": "2", "MEGASCALE_SLICE_ID": "1"},
-     r"MEGASCALE_COORDINATOR_ADDRESS \(set by .*the first host of slice 0\) must name the first "
-     r"host of slice 0"),
-    ({"MEGASCALE_SLICE_ID": "1"}, r"MEGASCALE_SLICE_ID='1' .* names a slice, but "
-     r"MEGASCALE_NUM_SLICES says one slice \(unset\)"),
-    ({"MEGASCALE_NUM_SLICES": "2", "MEGASCALE_SLICE_ID": "1",
-      "MEGASCALE_COORDINATOR_ADDRESS": "host:port"},
-     r"MEGASCALE_COORDINATOR_ADDRESS must be a host or 'host:port'\. Received: "
-     r"MEGASCALE_COORDINATOR_ADDRESS='host:port'"),
-    ({"JAX_COORDINATOR_PORT": "http"}, r"JAX_COORDINATOR_PORT \(set by your manifest or shell\) "
-     r"must be an integer >= 1\. Received: 'http'"),
+    (
+        {"MEGASCALE_NUM_SLICES": "2", "MEGASCALE_COORDINATOR_ADDRESS": "c"},
+        r"MEGASCALE_SLICE_ID \(set by .*job-index\) must be set in a multislice job, "
+        r"MEGASCALE_NUM_SLICES='2'",
+    ),
+    (
+        {
+            "MEGASCALE_NUM_SLICES": "2",
+            "MEGASCALE_SLICE_ID": "2",
+            "MEGASCALE_COORDINATOR_ADDRESS": "c",
+        },
+        r"MEGASCALE_SLICE_ID must be in 0\.\.1 \(MEGASCALE_NUM_SLICES='2'.*Received: "
+        r"MEGASCALE_SLICE_ID='2'",
+    ),
+    (
+        {"MEGASCALE_NUM_SLICES": "2", "MEGASCALE_SLICE_ID": "1"},
+        r"MEGASCALE_COORDINATOR_ADDRESS \(set by .*the first host of slice 0\) must name the first "
+        r"host of slice 0",
+    ),
+    (
+        {"MEGASCALE_SLICE_ID": "1"},
+        r"MEGASCALE_SLICE_ID='1' .* names a slice, but "
+        r"MEGASCALE_NUM_SLICES says one slice \(unset\)",
+    ),
+    (
+        {
+            "MEGASCALE_NUM_SLICES": "2",
+            "MEGASCALE_SLICE_ID": "1",
+            "MEGASCALE_COORDINATOR_ADDRESS": "host:port",
+        },
+        r"MEGASCALE_COORDINATOR_ADDRESS must be a host or 'host:port'\. Received: "
+        r"MEGASCALE_COORDINATOR_ADDRESS='host:port'",
+    ),
+    (
+        {"JAX_COORDINATOR_PORT": "http"},
+        r"JAX_COORDINATOR_PORT \(set by your manifest or shell\) "
+        r"must be an integer >= 1\. Received: 'http'",
+    ),
 ]
 
 
@@ -220,8 +278,15 @@ def test_errors_name_the_variable_its_value_and_who_sets_it(monkeypatch, change,
 
 
 def test_the_worker_id_is_checked_before_anything_else(monkeypatch):
-    setenv(monkeypatch, {"TPU_WORKER_ID": "worker-1", "TPU_HOST_BOUNDS": "x",
-                         "MEGASCALE_NUM_SLICES": "-2", "TPU_TOPOLOGY": "?"})
+    setenv(
+        monkeypatch,
+        {
+            "TPU_WORKER_ID": "worker-1",
+            "TPU_HOST_BOUNDS": "x",
+            "MEGASCALE_NUM_SLICES": "-2",
+            "TPU_TOPOLOGY": "?",
+        },
+    )
     with pytest.raises(ValueError, match=r"^TPUClusterResolver: TPU_WORKER_ID must be an integer"):
         dt.TPUClusterResolver()
 
@@ -231,10 +296,13 @@ def test_no_worker_id_off_gce_is_one_error_and_no_metadata_query(monkeypatch, me
     env = gke_v4_16(0)
     del env["TPU_WORKER_ID"], env["TPU_SKIP_MDS_QUERY"]
     setenv(monkeypatch, env)
-    with pytest.raises(ValueError, match=r"no TPU worker id\. Expected TPU_WORKER_ID \(set by GKE"
-                       r".*Received: TPU_WORKER_ID unset, and this machine is not a GCE VM \(DMI "
-                       r"product name 'Standard PC .*so its GCE metadata was not read.*"
-                       r"dt\.MultiWorkerMirroredStrategy"):
+    with pytest.raises(
+        ValueError,
+        match=r"no TPU worker id\. Expected TPU_WORKER_ID \(set by GKE"
+        r".*Received: TPU_WORKER_ID unset, and this machine is not a GCE VM \(DMI "
+        r"product name 'Standard PC .*so its GCE metadata was not read.*"
+        r"dt\.MultiWorkerMirroredStrategy",
+    ):
         dt.TPUClusterResolver()
     assert metadata_server.requests == []
     assert not dt.TPUClusterResolver.is_present()
@@ -242,16 +310,22 @@ def test_no_worker_id_off_gce_is_one_error_and_no_metadata_query(monkeypatch, me
 
 def test_skip_flag_on_gce_names_it(monkeypatch, on_gce, metadata_server):
     monkeypatch.setenv("TPU_SKIP_MDS_QUERY", "1")
-    with pytest.raises(ValueError, match=r"TPU_SKIP_MDS_QUERY='1' \(set by GKE in TPU pods, and "
-                       r"by JAX on a machine without TPU chips\) says not to read"):
+    with pytest.raises(
+        ValueError,
+        match=r"TPU_SKIP_MDS_QUERY='1' \(set by GKE in TPU pods, and "
+        r"by JAX on a machine without TPU chips\) says not to read",
+    ):
         dt.TPUClusterResolver()
     assert metadata_server.requests == []
 
 
 @pytest.mark.parametrize("tpu", ["grpc://10.240.1.2:8470", "/bns/foo/tpu"])
 def test_a_remote_tpu_address_is_an_error(tpu):
-    with pytest.raises(ValueError, match=r"a remote TPU's address \(TensorFlow's TPU Node "
-                       r"architecture\)\. JAX runs on the TPU VM hosts themselves"):
+    with pytest.raises(
+        ValueError,
+        match=r"a remote TPU's address \(TensorFlow's TPU Node "
+        r"architecture\)\. JAX runs on the TPU VM hosts themselves",
+    ):
         dt.TPUClusterResolver(tpu=tpu)
 
 
@@ -306,9 +380,15 @@ def metadata_server(monkeypatch):
 def tpu_vm_v4_16(worker, endpoints="10.130.0.2,10.130.0.3", **tpu_env):
     """The metadata of worker `worker` of a v4-16 TPU VM 'my-tpu' (gcloud tpu-vm create)."""
     lines = {
-        "ACCELERATOR_TYPE": "v4-16", "CHIPS_PER_HOST_BOUNDS": "2,2,1", "HOST_BOUNDS": "1,1,2",
-        "TOPOLOGY": "2x2x2", "NODE_ID": "my-tpu", "WORKER_ID": str(worker),
-        "ZONE": "us-central2-b", "CONSUMER_PROJECT_ID": "my-project", **tpu_env,
+        "ACCELERATOR_TYPE": "v4-16",
+        "CHIPS_PER_HOST_BOUNDS": "2,2,1",
+        "HOST_BOUNDS": "1,1,2",
+        "TOPOLOGY": "2x2x2",
+        "NODE_ID": "my-tpu",
+        "WORKER_ID": str(worker),
+        "ZONE": "us-central2-b",
+        "CONSUMER_PROJECT_ID": "my-project",
+        **tpu_env,
     }
     return {
         "agent-worker-number": str(worker),
@@ -324,7 +404,9 @@ def test_cloud_tpu_vm_from_its_metadata(on_gce, metadata_server, worker):
     r = dt.TPUClusterResolver(tpu="", zone="us-central2-b", project="my-project")
     assert r.source == "gce-metadata"
     assert (r.num_processes, r.process_id, r.worker_hostnames) == (
-        2, worker, ("10.130.0.2", "10.130.0.3")
+        2,
+        worker,
+        ("10.130.0.2", "10.130.0.3"),
     )
     assert r.coordinator_address == "10.130.0.2:8482"
     assert (r.accelerator_type, r.topology, r.num_slices) == ("v4-16", "2x2x2", 1)
@@ -367,36 +449,53 @@ def test_a_pod_described_by_its_environment_never_asks_the_metadata(
 
 @pytest.mark.parametrize(
     "field, value, shown",
-    [("zone", "europe-west4-a", "ZONE='us-central2-b'"),
-     ("project", "other", "CONSUMER_PROJECT_ID='my-project'")],
+    [
+        ("zone", "europe-west4-a", "ZONE='us-central2-b'"),
+        ("project", "other", "CONSUMER_PROJECT_ID='my-project'"),
+    ],
 )
 def test_zone_and_project_are_checked_against_the_tpu_vm(
     on_gce, metadata_server, field, value, shown
 ):
     metadata_server.attributes = tpu_vm_v4_16(0)
-    with pytest.raises(ValueError, match=rf"{field}='{value}' is not this TPU's: {shown} \(line "
-                       rf".* of the GCE metadata attribute tpu-env, set by Cloud TPU\)"):
+    with pytest.raises(
+        ValueError,
+        match=rf"{field}='{value}' is not this TPU's: {shown} \(line "
+        rf".* of the GCE metadata attribute tpu-env, set by Cloud TPU\)",
+    ):
         dt.TPUClusterResolver(**{field: value})
 
 
 def test_metadata_errors(on_gce, metadata_server):
-    with pytest.raises(ValueError, match=r"this GCE VM has no such attribute: it is not a Cloud "
-                       r"TPU VM"):
+    with pytest.raises(
+        ValueError,
+        match=r"this GCE VM has no such attribute: it is not a Cloud "
+        r"TPU VM",
+    ):
         dt.TPUClusterResolver()  # a GCE VM without TPUs: 404
     assert len(metadata_server.requests) == 1  # nothing else is asked
     assert not dt.TPUClusterResolver.is_present()
     metadata_server.attributes = {"agent-worker-number": "0"}
-    with pytest.raises(ValueError, match=r"Expected the metadata attribute worker-network-"
-                       r"endpoints\. Received: unset\. This TPU VM's metadata is incomplete"):
+    with pytest.raises(
+        ValueError,
+        match=r"Expected the metadata attribute worker-network-"
+        r"endpoints\. Received: unset\. This TPU VM's metadata is incomplete",
+    ):
         dt.TPUClusterResolver()
     metadata_server.attributes = tpu_vm_v4_16(0, endpoints="w-0:x")
-    with pytest.raises(ValueError, match=r"worker-network-endpoints must be a comma-separated list"
-                       r".*\(the GCE metadata attribute worker-network-endpoints, set by Cloud "
-                       r"TPU on each TPU VM\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"worker-network-endpoints must be a comma-separated list"
+        r".*\(the GCE metadata attribute worker-network-endpoints, set by Cloud "
+        r"TPU on each TPU VM\)",
+    ):
         dt.TPUClusterResolver()
     metadata_server.attributes = tpu_vm_v4_16(0, HOST_BOUNDS="1,1,4")
-    with pytest.raises(ValueError, match=r"TPU_HOST_BOUNDS='1,1,4' \(line HOST_BOUNDS of the GCE "
-                       r"metadata attribute tpu-env.*gives 4 hosts"):
+    with pytest.raises(
+        ValueError,
+        match=r"TPU_HOST_BOUNDS='1,1,4' \(line HOST_BOUNDS of the GCE "
+        r"metadata attribute tpu-env.*gives 4 hosts",
+    ):
         dt.TPUClusterResolver()
     metadata_server.status = {"agent-worker-number": 500}
     with pytest.raises(RuntimeError, match=r"answered 500 .* for http://127\.0\.0\.1:\d+/compute"):
@@ -412,8 +511,11 @@ def test_a_silent_metadata_server_times_out_within_a_second(monkeypatch, on_gce)
         silent.listen()
         monkeypatch.setenv("GCE_METADATA_HOST", f"127.0.0.1:{silent.getsockname()[1]}")
         start = time.monotonic()
-        with pytest.raises(TimeoutError, match=r"did not answer http://127\.0\.0\.1:\d+/computeMeta"
-                           r"data/v1/instance/attributes/agent-worker-number within 1 s"):
+        with pytest.raises(
+            TimeoutError,
+            match=r"did not answer http://127\.0\.0\.1:\d+/computeMeta"
+            r"data/v1/instance/attributes/agent-worker-number within 1 s",
+        ):
             dt.TPUClusterResolver()
         assert time.monotonic() - start < 2.0
     assert gce.TIMEOUT_SECONDS <= 1.0

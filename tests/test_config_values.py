@@ -52,17 +52,29 @@ def test_duplicate_yaml_key_names_the_key_and_line(tmp_path):
 
 def test_same_key_in_different_sections_is_fine(tmp_path):
     p = tmp_path / "ok.yaml"
-    p.write_text("model:\n  fn: m:f\n  kwargs: {a: 1}\ndata:\n  fn: d:f\n  kwargs: {a: 2}\n"
-                 "train: {train_step: 's:f'}\n")
+    p.write_text(
+        "model:\n  fn: m:f\n  kwargs: {a: 1}\ndata:\n  fn: d:f\n  kwargs: {a: 2}\n"
+        "train: {train_step: 's:f'}\n"
+    )
     cfg = load_config(p)
     assert cfg.model.kwargs == {"a": 1} and cfg.data.kwargs == {"a": 2}
 
 
 def test_cli_negative_learning_rate_exits_2_with_one_line(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "distrain.cli", "train", "--config", "configs/quickstart.yaml",
-         "optimizer.learning_rate=-0.1", "train.epochs=1"],
-        capture_output=True, text=True, timeout=120,
+        [
+            sys.executable,
+            "-m",
+            "distrain.cli",
+            "train",
+            "--config",
+            "configs/quickstart.yaml",
+            "optimizer.learning_rate=-0.1",
+            "train.epochs=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 2, proc.stderr
     lines = proc.stderr.strip().splitlines()
@@ -72,8 +84,10 @@ def test_cli_negative_learning_rate_exits_2_with_one_line(tmp_path):
 
 def test_yaml_merge_keys_still_override(tmp_path):
     p = tmp_path / "merge.yaml"
-    p.write_text("model:\n  fn: m:f\n  kwargs: &k {a: 1, b: 2}\ndata:\n  fn: d:f\n  kwargs:\n"
-                 "    <<: *k\n    b: 3\ntrain: {train_step: 's:f'}\n")
+    p.write_text(
+        "model:\n  fn: m:f\n  kwargs: &k {a: 1, b: 2}\ndata:\n  fn: d:f\n  kwargs:\n"
+        "    <<: *k\n    b: 3\ntrain: {train_step: 's:f'}\n"
+    )
     assert load_config(p).data.kwargs == {"a": 1, "b": 3}
 
 

@@ -363,9 +363,7 @@ def test_resume_from_a_backup_is_exact(strategy8, model, splits, tmp_path):
 
 
 def test_example_trains_on_eight_replicas(devices, splits, tmp_path):
-    s = dataclasses.replace(
-        SETTINGS, steps=4, eval_every=2, prompts=("def ",), sample_bytes=8
-    )
+    s = dataclasses.replace(SETTINGS, steps=4, eval_every=2, prompts=("def ",), sample_bytes=8)
     lines = []
     result = train_and_evaluate(
         s,
@@ -408,7 +406,6 @@ def test_distrain_train_runs_the_tiny_config(devices):
     m = result.test_metrics
     assert m["perplexity"] == pytest.approx(math.exp(m["loss"])) and m["loss"] < 5.6
     assert any(line.startswith("final test: loss=") for line in lines)
-
 
 
 def test_gpt2_small_trains_with_fsdp_over_eight_devices(devices, splits):

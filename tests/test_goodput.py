@@ -280,10 +280,17 @@ def test_process_start_is_when_the_process_began_to_within_a_tick():
     # /proc/stat's btime is whole seconds: a start added to it could be up to 1 s off.
     before = time.time()
     out = subprocess.run(
-        [sys.executable, "-c", "import time; t = time.time(); "
-         "from distrain._src.goodput.ledger import process_start_time; "
-         "print(process_start_time(), t)"],
-        capture_output=True, text=True, check=True, timeout=120,
+        [
+            sys.executable,
+            "-c",
+            "import time; t = time.time(); "
+            "from distrain._src.goodput.ledger import process_start_time; "
+            "print(process_start_time(), t)",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
     ).stdout
     start, began_script = map(float, out.split())
     assert before - 0.02 <= start <= began_script  # a clock tick is 10 ms

@@ -67,8 +67,11 @@ def test_later_batch_larger_than_the_first_with_a_mask(devices):
 
 @pytest.mark.parametrize(
     "value, kind",
-    [(np.array(["a", "b"] * 4), "<U1"), (np.array([object()] * 8), "object"),
-     (np.array([b"x"] * 8), "|S1")],
+    [
+        (np.array(["a", "b"] * 4), "<U1"),
+        (np.array([object()] * 8), "object"),
+        (np.array([b"x"] * 8), "|S1"),
+    ],
 )
 def test_string_and_object_arrays_name_the_key(devices, value, kind):
     strategy = dt.MirroredStrategy()
@@ -149,16 +152,20 @@ def test_tuple_batches_reach_the_step_as_tuples(devices):
 def test_short_last_batch_of_an_array_pipeline_names_its_own_options(devices):
     strategy = dt.MirroredStrategy()
     x, y = np.ones((60, 2), np.float32), np.ones(60, np.int32)
-    tuples = dt.data.ArrayPipeline((x, y), global_batch_size=16, num_epochs=1,
-                                   drop_remainder=False)
-    with pytest.raises(ValueError, match=r"last global batch size \(12\).*first \(16\).*"
-                       r"ArrayPipeline\(\.\.\., drop_remainder=True\).*mask_key needs dict data"):
+    tuples = dt.data.ArrayPipeline((x, y), global_batch_size=16, num_epochs=1, drop_remainder=False)
+    with pytest.raises(
+        ValueError,
+        match=r"last global batch size \(12\).*first \(16\).*"
+        r"ArrayPipeline\(\.\.\., drop_remainder=True\).*mask_key needs dict data",
+    ):
         _all(strategy, tuples)
-    dicts = dt.data.ArrayPipeline({"x": x}, global_batch_size=16, num_epochs=1,
-                                  drop_remainder=False)
+    dicts = dt.data.ArrayPipeline(
+        {"x": x}, global_batch_size=16, num_epochs=1, drop_remainder=False
+    )
     with pytest.raises(ValueError, match=r"ArrayPipeline\(\.\.\., mask_key='mask'\)"):
         _all(strategy, dicts)
     # What the message says works.
-    fixed = dt.data.ArrayPipeline({"x": x}, global_batch_size=16, num_epochs=1,
-                                  drop_remainder=False, mask_key="mask")
+    fixed = dt.data.ArrayPipeline(
+        {"x": x}, global_batch_size=16, num_epochs=1, drop_remainder=False, mask_key="mask"
+    )
     assert len(_all(strategy, fixed)) == 4

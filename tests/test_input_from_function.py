@@ -44,8 +44,12 @@ def test_tf_pattern_state_round_trips(devices):
 
     def dataset_fn(ctx):
         return dt.data.ArrayPipeline(
-            data, global_batch_size=ctx.get_per_replica_batch_size(GLOBAL), shuffle=False,
-            num_epochs=1, process_index=0, process_count=1,
+            data,
+            global_batch_size=ctx.get_per_replica_batch_size(GLOBAL),
+            shuffle=False,
+            num_epochs=1,
+            process_index=0,
+            process_count=1,
         )
 
     it = iter(strategy.distribute_datasets_from_function(dataset_fn, PER_REPLICA))
@@ -66,8 +70,11 @@ def test_tf_pattern_last_partial_group_is_masked_with_mask_key(devices):
         n = ctx.get_per_replica_batch_size(GLOBAL)
         return [{"x": data[i : i + n]} for i in range(0, len(data), n)]
 
-    batches = list(strategy.distribute_datasets_from_function(
-        dataset_fn, dt.InputOptions(mask_key="mask", per_replica_batches=True)))
+    batches = list(
+        strategy.distribute_datasets_from_function(
+            dataset_fn, dt.InputOptions(mask_key="mask", per_replica_batches=True)
+        )
+    )
     assert len(batches) == 2
     last = strategy.gather(batches[1])
     assert np.asarray(last["mask"]).sum() == 20 and len(last["x"]) == GLOBAL
@@ -96,30 +103,40 @@ def test_tf_pattern_without_the_option_is_refused_not_split_again(devices):
     """Issue 23: TF's dataset_fn idiom must not silently give each replica 1 row of the 8
     TF gives it (nor be guessed from the first batch): the user says which form it is."""
     strategy = dt.MirroredStrategy()
-    with pytest.raises(ValueError, match=r"get_per_replica_batch_size\(64\).*\(8 rows\).*"
-                       r"over this process's 8 replicas.*per_replica_batches=True"):
+    with pytest.raises(
+        ValueError,
+        match=r"get_per_replica_batch_size\(64\).*\(8 rows\).*"
+        r"over this process's 8 replicas.*per_replica_batches=True",
+    ):
         next(iter(strategy.distribute_datasets_from_function(_asks_per_replica_size)))
     # Said explicitly, either form is taken as said.
-    tf_form = list(strategy.distribute_datasets_from_function(_asks_per_replica_size,
-                                                              PER_REPLICA))
+    tf_form = list(strategy.distribute_datasets_from_function(_asks_per_replica_size, PER_REPLICA))
     assert [len(s["x"]) for s in strategy.experimental_local_results(tf_form[0])] == [8] * 8
-    process_rows = list(strategy.distribute_datasets_from_function(
-        _asks_per_replica_size, dt.InputOptions(per_replica_batches=False)))
+    process_rows = list(
+        strategy.distribute_datasets_from_function(
+            _asks_per_replica_size, dt.InputOptions(per_replica_batches=False)
+        )
+    )
     assert len(process_rows) == 16
     assert [len(s["x"]) for s in strategy.experimental_local_results(process_rows[0])] == [1] * 8
 
 
 def test_per_replica_batches_is_refused_where_it_means_nothing(devices):
     strategy = dt.MirroredStrategy()
-    with pytest.raises(ValueError, match=r"per_replica_batches=True\) is for .*"
-                       "distribute_datasets_from_function"):
+    with pytest.raises(
+        ValueError,
+        match=r"per_replica_batches=True\) is for .*"
+        "distribute_datasets_from_function",
+    ):
         strategy.experimental_distribute_dataset([{"x": np.zeros(8)}], PER_REPLICA)
     with pytest.raises(ValueError, match=r"`per_replica_batches` must be True, False or None"):
         dt.InputOptions(per_replica_batches="yes")
 
 
-@pytest.mark.parametrize(("bad", "error"), [(0, ValueError), (-8, ValueError), (True, TypeError),
-                                            (8.0, TypeError), ("64", TypeError)])
+@pytest.mark.parametrize(
+    ("bad", "error"),
+    [(0, ValueError), (-8, ValueError), (True, TypeError), (8.0, TypeError), ("64", TypeError)],
+)
 def test_get_per_replica_batch_size_rejects_bad_values(bad, error):
     """Not an int: TypeError (the class TF's compute_average_loss raises for a float)."""
     ctx = dt.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=8)
@@ -131,11 +148,12 @@ def test_get_per_replica_batch_size_not_divisible_says_what_to_use():
     ctx = dt.InputContext(num_input_pipelines=1, input_pipeline_id=0, num_replicas_in_sync=8)
     with pytest.raises(ValueError, match=r"global batch size \(60\).*replicas \(8\).*56 or 64"):
         ctx.get_per_replica_batch_size(60)
-    assert "mask_key" not in str(pytest.raises(ValueError, ctx.get_per_replica_batch_size, 60)
-                                 .value)
+    assert "mask_key" not in str(
+        pytest.raises(ValueError, ctx.get_per_replica_batch_size, 60).value
+    )
 
 
-_TWO_PROCESS_SCRIPT = '''
+_TWO_PROCESS_SCRIPT = """
 import json, sys
 import numpy as np
 import distrain as dt
@@ -154,7 +172,7 @@ for batch in strategy.distribute_datasets_from_function(dataset_fn, options):
     local = [np.asarray(s["x"]).tolist() for s in strategy.experimental_local_results(batch)]
     steps.append({"local": local, "global": np.asarray(strategy.gather(batch)["x"]).tolist()})
 print("RESULT " + json.dumps(steps), flush=True)
-'''
+"""
 
 
 def _two_processes(tmp_path, script_text, devices_per_process):
@@ -172,14 +190,21 @@ def _two_processes(tmp_path, script_text, devices_per_process):
     port = free_port()
     jobs = []
     for pid in range(2):
-        env = {k: v for k, v in os.environ.items()
-               if not k.startswith(("DISTRAIN_", "SLURM_")) and k != "TF_CONFIG"}
-        env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
-                   JAX_PLATFORMS="cpu", DISTRAIN_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-                   DISTRAIN_NUM_PROCESSES="2", DISTRAIN_PROCESS_ID=str(pid),
-                   DISTRAIN_TIMEOUT_SECONDS="20",
-                   # this checkout's distrain, not an installed one
-                   PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])))
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith(("DISTRAIN_", "SLURM_")) and k != "TF_CONFIG"
+        }
+        env.update(
+            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+            JAX_PLATFORMS="cpu",
+            DISTRAIN_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+            DISTRAIN_NUM_PROCESSES="2",
+            DISTRAIN_PROCESS_ID=str(pid),
+            DISTRAIN_TIMEOUT_SECONDS="20",
+            # this checkout's distrain, not an installed one
+            PYTHONPATH=os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")])),
+        )
         jobs.append(([sys.executable, str(script)], env))
     results = []
     for code, log, _ in run_together(jobs, 90):
@@ -196,9 +221,10 @@ def test_tf_pattern_on_two_processes(tmp_path):
         mine = data[pid::2]
         for s, step in enumerate(steps):
             # This process's replicas get consecutive per-replica batches of its shard.
-            assert step["local"] == [mine[(2 * s + r) * 4:(2 * s + r + 1) * 4].tolist()
-                                     for r in range(2)]
-            expected = np.concatenate([data[p::2][8 * s:8 * s + 8] for p in range(2)])
+            assert step["local"] == [
+                mine[(2 * s + r) * 4 : (2 * s + r + 1) * 4].tolist() for r in range(2)
+            ]
+            expected = np.concatenate([data[p::2][8 * s : 8 * s + 8] for p in range(2)])
             assert step["global"] == expected.tolist()
 
 

@@ -11,8 +11,14 @@ N, B = 48, 16
 
 
 def _pipe(**kw):
-    kw = {"global_batch_size": B, "seed": 3, "num_epochs": 1, "process_index": 0,
-          "process_count": 1, **kw}
+    kw = {
+        "global_batch_size": B,
+        "seed": 3,
+        "num_epochs": 1,
+        "process_index": 0,
+        "process_count": 1,
+        **kw,
+    }
     return ArrayPipeline({"i": np.arange(N)}, **kw)
 
 
@@ -46,9 +52,7 @@ def test_distributed_dataset_reshuffles_per_pass(devices):
     dist = strategy.experimental_distribute_dataset(_pipe())
     orders = []
     for _epoch in range(2):
-        orders.append(np.concatenate(
-            [np.asarray(strategy.gather(batch)["i"]) for batch in dist]
-        ))
+        orders.append(np.concatenate([np.asarray(strategy.gather(batch)["i"]) for batch in dist]))
     assert sorted(orders[0]) == sorted(orders[1]) == list(range(N))
     assert not np.array_equal(orders[0], orders[1])
 
@@ -124,8 +128,11 @@ def test_backup_resume_over_a_one_epoch_pipeline_is_exact(devices, tmp_path, cra
     ref, _ = dt.Trainer(strategy, train_step).fit(new_state(), pipe(), epochs=3)
 
     backup = str(tmp_path / f"backup{crash_epoch}")
-    crashing = dt.Trainer(strategy, train_step, callbacks=[
-        dt.callbacks.BackupAndRestore(backup), _StopAfterEpoch(crash_epoch)])
+    crashing = dt.Trainer(
+        strategy,
+        train_step,
+        callbacks=[dt.callbacks.BackupAndRestore(backup), _StopAfterEpoch(crash_epoch)],
+    )
     with pytest.raises(KeyboardInterrupt):
         crashing.fit(new_state(), pipe(), epochs=3)
     resumed = dt.Trainer(strategy, train_step, callbacks=[dt.callbacks.BackupAndRestore(backup)])

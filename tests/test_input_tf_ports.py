@@ -64,8 +64,11 @@ def test_unbatched_scalars_from_a_function(devices):
     the first step's local results are ``data[0:num_replicas_in_sync]``."""
     strategy = dt.MirroredStrategy()
     data = [float(v) for v in range(16)]
-    it = iter(strategy.distribute_datasets_from_function(
-        lambda _: [np.float32(v) for v in data], PER_REPLICA))
+    it = iter(
+        strategy.distribute_datasets_from_function(
+            lambda _: [np.float32(v) for v in data], PER_REPLICA
+        )
+    )
     assert _local(strategy, next(it)) == data[:8]
     assert float(strategy.reduce("sum", next(it))) == sum(data[8:])
 
@@ -79,13 +82,17 @@ def test_a_short_last_group_of_elements_is_dropped_only_when_asked(devices):
         return [np.int64(i) for i in range(11)]
 
     dropped = strategy.distribute_datasets_from_function(
-        dataset_fn, dt.InputOptions(per_replica_batches=True, drop_remainder=True))
+        dataset_fn, dt.InputOptions(per_replica_batches=True, drop_remainder=True)
+    )
     assert [_local(strategy, b) for b in dropped] == [[i, i + 1] for i in range(0, 10, 2)]
     with pytest.raises(ValueError, match=r"last step has 1 element.*2 replicas.*drop_remainder"):
         list(strategy.distribute_datasets_from_function(dataset_fn, PER_REPLICA))
     with pytest.raises(ValueError, match=r"mask_key=...\) pads partial batches.*no rows to pad"):
-        list(strategy.distribute_datasets_from_function(
-            dataset_fn, dt.InputOptions(per_replica_batches=True, mask_key="mask")))
+        list(
+            strategy.distribute_datasets_from_function(
+                dataset_fn, dt.InputOptions(per_replica_batches=True, mask_key="mask")
+            )
+        )
 
 
 def test_elements_of_different_shapes_are_named(devices):
@@ -102,13 +109,22 @@ def test_unbatched_elements_without_the_option_say_what_to_do(devices):
     """Was: "Every leaf of a batch must have the same leading (batch) dimension.
     Received shapes: {'': ()}" for one scalar leaf."""
     strategy = dt.MirroredStrategy()
-    with pytest.raises(ValueError, match=r"Batch leaf \(the batch itself\) has no batch "
-                       r"dimension \(shape \(\)\).*per_replica_batches=True"):
-        next(iter(strategy.distribute_datasets_from_function(
-            lambda _: [np.float32(v) for v in range(16)])))
+    with pytest.raises(
+        ValueError,
+        match=r"Batch leaf \(the batch itself\) has no batch "
+        r"dimension \(shape \(\)\).*per_replica_batches=True",
+    ):
+        next(
+            iter(
+                strategy.distribute_datasets_from_function(
+                    lambda _: [np.float32(v) for v in range(16)]
+                )
+            )
+        )
     with pytest.raises(ValueError, match=r"Batch leaf \['t'\] has no batch dimension"):
-        next(iter(strategy.experimental_distribute_dataset(
-            [{"x": np.zeros(8), "t": np.float32(0)}])))
+        next(
+            iter(strategy.experimental_distribute_dataset([{"x": np.zeros(8), "t": np.float32(0)}]))
+        )
 
 
 # -- Bad input that used to get JAX's or XLA's error from inside (issue 23).
@@ -120,32 +136,55 @@ def test_string_and_object_arrays_are_named_with_their_dtype(devices):
     with pytest.raises(TypeError, match=r"Batch leaf \['name'\] has dtype <U1"):
         strategy.distribute_batch({"x": np.zeros(8), "name": names})
     with pytest.raises(TypeError, match=r"Batch leaf \['o'\] has dtype object"):
-        next(iter(strategy.experimental_distribute_dataset(
-            [{"x": np.zeros(8), "o": np.array([None] * 8, dtype=object)}])))
-    with pytest.raises(TypeError, match=r"run\(.*args\[1\]\['name'\] is a NumPy array of "
-                       r"dtype <U1.*numeric and bool"):
+        next(
+            iter(
+                strategy.experimental_distribute_dataset(
+                    [{"x": np.zeros(8), "o": np.array([None] * 8, dtype=object)}]
+                )
+            )
+        )
+    with pytest.raises(
+        TypeError,
+        match=r"run\(.*args\[1\]\['name'\] is a NumPy array of "
+        r"dtype <U1.*numeric and bool",
+    ):
         strategy.run(lambda x, meta: x, args=(np.zeros(3), {"name": names}))
     with pytest.raises(TypeError, match=r"kwargs\['meta'\] is a NumPy array of dtype object"):
-        strategy.run(lambda x, meta: x, args=(np.zeros(3),),
-                     kwargs={"meta": np.array([None, 1], dtype=object)})
+        strategy.run(
+            lambda x, meta: x,
+            args=(np.zeros(3),),
+            kwargs={"meta": np.array([None, 1], dtype=object)},
+        )
     # A plain Python string stays a compile-time constant, as before.
-    assert float(strategy.reduce("mean", strategy.run(lambda x, tag: x.sum(),
-                                                      args=(np.ones(3), "tag")))) == 3.0
+    assert (
+        float(
+            strategy.reduce("mean", strategy.run(lambda x, tag: x.sum(), args=(np.ones(3), "tag")))
+        )
+        == 3.0
+    )
 
 
 def test_values_from_function_of_different_shapes_name_the_replicas(devices):
     strategy = dt.MirroredStrategy()
-    with pytest.raises(ValueError, match=r"\['b'\] has shape \(2, 2\) on replicas "
-                       r"\[0, 1, 2, 3, 4, 6, 7\]; \(2, 3\) on replicas \[5\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"\['b'\] has shape \(2, 2\) on replicas "
+        r"\[0, 1, 2, 3, 4, 6, 7\]; \(2, 3\) on replicas \[5\]",
+    ):
         strategy.experimental_distribute_values_from_function(
-            lambda ctx: {"a": np.zeros(2),
-                         "b": np.ones((2, 3 if ctx.replica_id_in_sync_group == 5 else 2))})
+            lambda ctx: {
+                "a": np.zeros(2),
+                "b": np.ones((2, 3 if ctx.replica_id_in_sync_group == 5 else 2)),
+            }
+        )
     with pytest.raises(ValueError, match=r"same structure. Replica 0: .*replica 1: "):
         strategy.experimental_distribute_values_from_function(
-            lambda ctx: (1.0,) * (ctx.replica_id_in_sync_group + 1))
+            lambda ctx: (1.0,) * (ctx.replica_id_in_sync_group + 1)
+        )
     with pytest.raises(TypeError, match=r"the value has dtype <U1"):
         strategy.experimental_distribute_values_from_function(lambda ctx: np.array(["a"]))
     # Same shapes keep working: one component per replica.
     v = strategy.experimental_distribute_values_from_function(
-        lambda ctx: np.full(2, ctx.replica_id_in_sync_group, np.float32))
+        lambda ctx: np.full(2, ctx.replica_id_in_sync_group, np.float32)
+    )
     assert _local(strategy, v)[3] == [3.0, 3.0]

@@ -9,6 +9,7 @@ at H = 1.
 from __future__ import annotations
 
 import re
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -285,7 +286,10 @@ def test_a_restored_state_resumes_mid_round_exactly(devices, tmp_path):
     template = fresh()
     restored = manager.restore(3, target=template).state
     assert int(restored.step) == 3
-    assert restored.inner.params["dense"]["bias"].sharding == template.inner.params["dense"]["bias"].sharding
+    assert (
+        restored.inner.params["dense"]["bias"].sharding
+        == template.inner.params["dense"]["bias"].sharding
+    )
     for b in batches[3:]:
         restored, _ = strategy.run(train_step, args=(restored, b))
     for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(restored), strict=True):
@@ -369,3 +373,61 @@ def test_repr_and_config(devices):
     )
     assert strategy.config.sync_every == 8 and strategy.islands == 4
     assert strategy.mesh.axis_names == ("island", "replica")
+
+
+# --- the Trainer ----------------------------------------------------------------------
+
+
+def _trainer_step(state, batch):
+    loss, grads = jax.value_and_grad(
+        lambda p: dt.compute_average_loss(_loss(p, (batch["x"], batch["y"])))
+    )(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+
+def _eval_step(state, batch):
+    return {"loss": dt.compute_average_loss(_loss(state.params, (batch["x"], batch["y"])))}
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_trainer_fit_counts_every_batch_as_an_inner_step(devices, steps_per_execution):
+    """Trainer.fit with fused dispatches runs one inner step per batch (the outer step
+    after every H-th, inside the dispatch): the state after 12 batches equals 12
+    strategy.run calls; evaluate and predict use the global parameters."""
+    strategy = dt.experimental.DiLoCoStrategy(islands=2, sync_every=4, outer_optimizer=NESTEROV)
+    rng = np.random.default_rng(7)
+    params = _params(rng)
+    data = _data(rng, 12)
+    batches = [{"x": x, "y": y} for x, y in data]
+
+    def fresh():
+        return dt.TrainState.create(params=params, tx=optax.adam(0.01))
+
+    manual = strategy.put_replicated(fresh())
+    for b in batches:
+        manual, _ = strategy.run(_trainer_step, args=(manual, strategy.distribute_batch(b)))
+
+    trainer = dt.Trainer(
+        strategy,
+        _trainer_step,
+        eval_step=_eval_step,
+        steps_per_execution=steps_per_execution,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state, _ = trainer.fit(fresh(), batches, epochs=1)
+    assert not [w for w in caught if "replica" in str(w.message)]  # island-varying is fine
+    assert isinstance(state, dt.experimental.DiLoCoState) and int(state.step) == 12
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(manual), strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+    logs = trainer.evaluate(state, batches[:2])
+    expected = np.mean([float(np.mean(_loss(state.params, d))) for d in data[:2]])
+    np.testing.assert_allclose(logs["loss"], expected, rtol=1e-5)
+    trainer = dt.Trainer(
+        strategy, _trainer_step, predict_step=lambda s, b: b["x"] @ s.params["dense"]["kernel"]
+    )
+    out = trainer.predict(state, batches[:1])
+    np.testing.assert_allclose(
+        out, data[0][0] @ np.asarray(state.params["dense"]["kernel"]), rtol=1e-5
+    )

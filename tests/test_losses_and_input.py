@@ -21,15 +21,20 @@ def test_compute_average_loss_default_is_per_replica_times_replicas(devices):
 
 
 def test_sample_weight():
-    loss = dt.compute_average_loss(jnp.ones(4), sample_weight=jnp.array([1.0, 0, 1, 0]),
-                                   global_batch_size=4)
+    loss = dt.compute_average_loss(
+        jnp.ones(4), sample_weight=jnp.array([1.0, 0, 1, 0]), global_batch_size=4
+    )
     assert float(loss) == 0.5
 
 
 def test_scale_regularization_loss_sums_back_to_original(devices):
     strategy = dt.MirroredStrategy()
-    out = strategy.run(lambda: dt.scale_regularization_loss(jnp.float32(3.0))
-                       + 0 * dt.get_replica_context().replica_id_in_sync_group)
+    out = strategy.run(
+        lambda: (
+            dt.scale_regularization_loss(jnp.float32(3.0))
+            + 0 * dt.get_replica_context().replica_id_in_sync_group
+        )
+    )
     assert float(strategy.reduce("sum", out)) == pytest.approx(3.0)
 
 
@@ -41,8 +46,7 @@ def test_partial_final_batch_gives_exact_mean_loss(devices):
     ds = strategy.experimental_distribute_dataset(source, dt.InputOptions(mask_key="mask"))
     means = []
     for batch in ds:
-        out = strategy.run(lambda b: dt.compute_average_loss(b["v"], mask=b["mask"]),
-                           args=(batch,))
+        out = strategy.run(lambda b: dt.compute_average_loss(b["v"], mask=b["mask"]), args=(batch,))
         means.append(float(strategy.reduce("sum", out)))
     assert means == [pytest.approx(values[:16].mean()), pytest.approx(values[16:].mean())]
 
@@ -50,15 +54,17 @@ def test_partial_final_batch_gives_exact_mean_loss(devices):
 def test_drop_remainder(devices):
     strategy = dt.MirroredStrategy()
     source = [np.ones(16, np.float32), np.ones(8, np.float32)]
-    batches = list(strategy.experimental_distribute_dataset(
-        source, dt.InputOptions(drop_remainder=True)))
+    batches = list(
+        strategy.experimental_distribute_dataset(source, dt.InputOptions(drop_remainder=True))
+    )
     assert len(batches) == 1
 
 
 def test_prefetch_off_and_errors_propagate(devices):
     strategy = dt.MirroredStrategy()
-    ds = strategy.experimental_distribute_dataset([np.ones(8), np.ones(3)],
-                                                  dt.InputOptions(prefetch=0))
+    ds = strategy.experimental_distribute_dataset(
+        [np.ones(8), np.ones(3)], dt.InputOptions(prefetch=0)
+    )
     it = iter(ds)
     next(it)
     with pytest.raises(ValueError, match=r"global batch size \(3\)"):
@@ -86,8 +92,13 @@ def test_input_options_errors(devices):
     with pytest.raises(TypeError, match="iterable of batches"):
         strategy.experimental_distribute_dataset(42)
     with pytest.raises(TypeError, match="mask_key.*needs dict batches"):
-        next(iter(strategy.experimental_distribute_dataset(
-            [np.ones(8)], dt.InputOptions(mask_key="m", prefetch=0))))
+        next(
+            iter(
+                strategy.experimental_distribute_dataset(
+                    [np.ones(8)], dt.InputOptions(mask_key="m", prefetch=0)
+                )
+            )
+        )
     with pytest.raises(TypeError, match="cannot save its position"):
         iter(strategy.experimental_distribute_dataset([np.ones(8)])).get_state()
 

@@ -88,8 +88,9 @@ def test_checks_hold_inside_strategy_run(devices):
     strategy = dt.MirroredStrategy()
     batch = strategy.distribute_batch(np.arange(16, dtype=np.float32))
     weights = strategy.distribute_batch(np.ones((16, 1), np.float32))
-    out = strategy.run(lambda x, w: dt.compute_average_loss(x, sample_weight=w),
-                       args=(batch, weights))
+    out = strategy.run(
+        lambda x, w: dt.compute_average_loss(x, sample_weight=w), args=(batch, weights)
+    )
     assert float(strategy.reduce("sum", out)) == pytest.approx(np.arange(16).mean())
 
 

@@ -74,8 +74,10 @@ def _type_checking_imports(module) -> dict[str, object]:
     """The names a module's ``if TYPE_CHECKING:`` block imports, resolved."""
     tree = ast.parse(inspect.getsource(module))
     blocks = [
-        node for node in tree.body
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+        node
+        for node in tree.body
+        if isinstance(node, ast.If)
+        and isinstance(node.test, ast.Name)
         and node.test.id == "TYPE_CHECKING"
     ]
     out = {}
@@ -132,8 +134,13 @@ def test_mypy_sees_lazy_names_with_their_types(tmp_path):
         "d = dt.CheckpointManager\n"
     )
     out, _, status = api.run(
-        [str(probe), "--follow-imports=silent", "--ignore-missing-imports",
-         "--no-incremental", "--cache-dir=/dev/null"]
+        [
+            str(probe),
+            "--follow-imports=silent",
+            "--ignore-missing-imports",
+            "--no-incremental",
+            "--cache-dir=/dev/null",
+        ]
     )
     assert status == 1, out
     assert 'Incompatible types in assignment (expression has type "type[CheckpointManager]"' in out

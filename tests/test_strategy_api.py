@@ -23,8 +23,9 @@ def _ones(_):
 
 
 def test_reduce_sum_of_ones_is_num_replicas(mirrored):
-    out = mirrored.run(lambda: jnp.ones(()) * (dt.get_replica_context().replica_id_in_sync_group
-                                               * 0 + 1))
+    out = mirrored.run(
+        lambda: jnp.ones(()) * (dt.get_replica_context().replica_id_in_sync_group * 0 + 1)
+    )
     assert isinstance(out, dt.PerReplica)
     assert float(mirrored.reduce(dt.ReduceOp.SUM, out)) == 8.0
 
@@ -131,8 +132,7 @@ def test_distribute_values_from_function(mirrored):
     )
     assert float(mirrored.reduce("sum", values)) == 28.0
     doubled = mirrored.run(lambda v: v * 2, args=(values,))
-    np.testing.assert_array_equal(mirrored.gather(doubled),
-                                  np.arange(8) * 2)
+    np.testing.assert_array_equal(mirrored.gather(doubled), np.arange(8) * 2)
 
 
 def test_distribute_datasets_from_function(mirrored):
@@ -148,8 +148,9 @@ def test_distribute_datasets_from_function(mirrored):
 
 def test_default_strategy_runs_one_replica():
     strategy = dt.get_strategy()
-    out = strategy.run(lambda x: dt.get_replica_context().all_reduce("sum", x),
-                       args=(jnp.arange(3.0),))
+    out = strategy.run(
+        lambda x: dt.get_replica_context().all_reduce("sum", x), args=(jnp.arange(3.0),)
+    )
     np.testing.assert_array_equal(out, [0.0, 1.0, 2.0])
     assert float(strategy.reduce("sum", jnp.float32(5.0))) == 5.0
 
@@ -232,8 +233,10 @@ def test_cross_device_ops_give_the_same_sum(devices):
     results = []
     for ops in (dt.AllReduce(), dt.HierarchicalCopyAllReduce(3), dt.ReductionToOneDevice()):
         s = dt.MirroredStrategy(cross_device_ops=ops)
-        out = s.run(lambda t: dt.get_replica_context().all_reduce("sum", t),
-                    args=(s.distribute_batch(tree),))
+        out = s.run(
+            lambda t: dt.get_replica_context().all_reduce("sum", t),
+            args=(s.distribute_batch(tree),),
+        )
         results.append(jax.tree.map(np.asarray, out))
     for r in results[1:]:
         jax.tree.map(np.testing.assert_array_equal, r, results[0])

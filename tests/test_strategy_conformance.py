@@ -56,8 +56,10 @@ def _data(steps: int):
     rng = np.random.default_rng(0)
     x = rng.normal(size=(steps * GLOBAL_BATCH, 5)).astype(np.float32)
     y = (x @ rng.normal(size=(5, 3))).astype(np.float32)
-    return [{"x": x[i : i + GLOBAL_BATCH], "y": y[i : i + GLOBAL_BATCH]}
-            for i in range(0, len(x), GLOBAL_BATCH)]
+    return [
+        {"x": x[i : i + GLOBAL_BATCH], "y": y[i : i + GLOBAL_BATCH]}
+        for i in range(0, len(x), GLOBAL_BATCH)
+    ]
 
 
 def _init_state():
@@ -77,8 +79,9 @@ def _loss(params, x, y):
 
 def train_step(state, batch):
     def loss_fn(p):
-        return dt.compute_average_loss(_loss(p, batch["x"], batch["y"]),
-                                       global_batch_size=GLOBAL_BATCH)
+        return dt.compute_average_loss(
+            _loss(p, batch["x"], batch["y"]), global_batch_size=GLOBAL_BATCH
+        )
 
     loss, grads = jax.value_and_grad(loss_fn)(state.params)
     return state.apply_gradients(grads=grads), loss
@@ -108,8 +111,9 @@ def test_training_matches_one_device(name, devices):
             losses.append(float(strategy.reduce("sum", loss)))
     assert jax.tree.structure(state) == jax.tree.structure(ref_state)
     np.testing.assert_allclose(losses, ref_losses, rtol=2e-5)
-    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params),
-                         strict=True):
+    for got, want in zip(
+        jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params), strict=True
+    ):
         assert got.shape == want.shape
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-6)
     assert int(state.step) == steps
@@ -123,10 +127,18 @@ def test_one_step_on_8_replicas_moves_params_exactly_like_one_device(devices):
     state = strategy.put_replicated(_init_state())
     batch = strategy.distribute_batch(_data(1)[0])
     state, _ = strategy.run(train_step, args=(state, batch))
-    for got, want, init in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params),
-                               jax.tree.leaves(_init_state().params), strict=True):
-        np.testing.assert_allclose(np.asarray(got) - np.asarray(init),
-                                   np.asarray(want) - np.asarray(init), rtol=1e-4, atol=1e-7)
+    for got, want, init in zip(
+        jax.tree.leaves(state.params),
+        jax.tree.leaves(ref_state.params),
+        jax.tree.leaves(_init_state().params),
+        strict=True,
+    ):
+        np.testing.assert_allclose(
+            np.asarray(got) - np.asarray(init),
+            np.asarray(want) - np.asarray(init),
+            rtol=1e-4,
+            atol=1e-7,
+        )
 
 
 def test_state_comes_back_replicated_and_loss_per_replica(devices):
@@ -155,8 +167,9 @@ STRATEGY_NAMES = list(STRATEGIES)
 
 
 def _placed_like_state(strategy, tree):
-    for x, want in zip(jax.tree.leaves(tree), jax.tree.leaves(strategy.state_shardings(tree)),
-                       strict=True):
+    for x, want in zip(
+        jax.tree.leaves(tree), jax.tree.leaves(strategy.state_shardings(tree)), strict=True
+    ):
         assert x.sharding.is_equivalent_to(want, x.ndim), (x.sharding, want)
 
 
@@ -202,8 +215,9 @@ def test_trainer_with_steps_per_execution_matches_one_device(name, devices):
     ref_state, _ = _reference(steps)
     trainer = dt.Trainer(strategy, lambda s, b: (train_step(s, b)[0], {}), steps_per_execution=2)
     state, _ = trainer.fit(_init_state(), _data(steps), steps=steps)
-    for got, want in zip(jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params),
-                         strict=True):
+    for got, want in zip(
+        jax.tree.leaves(state.params), jax.tree.leaves(ref_state.params), strict=True
+    ):
         np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=1e-6)
 
 
@@ -251,4 +265,3 @@ def test_checkpoint_round_trip(name, devices, tmp_path):
             want.sharding, got.ndim
         )
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
-

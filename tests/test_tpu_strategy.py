@@ -54,9 +54,12 @@ NO_TPU = (
 
 
 def test_no_tpus_after_jax_started(devices):
-    with pytest.raises(RuntimeError, match=NO_TPU.format(
-        r"JAX has already started, and its devices are \['cpu'\] \(no TPU among them\)"
-    )):
+    with pytest.raises(
+        RuntimeError,
+        match=NO_TPU.format(
+            r"JAX has already started, and its devices are \['cpu'\] \(no TPU among them\)"
+        ),
+    ):
         dt.TPUStrategy()
     with pytest.raises(RuntimeError, match=r"dt\.initialize_tpu_system needs TPU devices"):
         dt.initialize_tpu_system()
@@ -81,12 +84,18 @@ def test_no_tpus_before_anything_starts_in_a_fresh_process(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     env.update(TPU_WORKER_ID="1", TPU_WORKER_HOSTNAMES="t-0.t,t-1.t", PYTHONPATH=ROOT)
     done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
-    assert "ERROR dt.TPUStrategy needs TPU devices, and this process has none: no TPU chip on " \
-           "this machine's PCI bus" in done.stdout
+    assert (
+        "ERROR dt.TPUStrategy needs TPU devices, and this process has none: no TPU chip on "
+        "this machine's PCI bus" in done.stdout
+    )
     assert "backend started: False" in done.stdout and "joined: False" in done.stdout
 
 
@@ -97,11 +106,17 @@ def test_no_tpus_before_anything_starts_in_a_fresh_process(tmp_path):
         (dict(started=["cpu"]), r"JAX has already started, and its devices are \['cpu'\]"),
         (dict(requested="cpu", chips=4), r"JAX_PLATFORMS='cpu' leaves TPUs out"),
         (dict(requested="tpu,cpu", chips=4), None),
-        (dict(chips=0), r"no TPU chip on this machine's PCI bus \(/sys/bus/pci/devices: no device "
-         r"with Google's vendor id 0x1ae0"),
+        (
+            dict(chips=0),
+            r"no TPU chip on this machine's PCI bus \(/sys/bus/pci/devices: no device "
+            r"with Google's vendor id 0x1ae0",
+        ),
         (dict(chips=0, force=True), None),  # JAX_FORCE_TPU_INIT, as in JAX
-        (dict(chips=4, libtpu=False), r"4 TPU chips are attached, but JAX's TPU runtime "
-         r"\(libtpu\) is not installed: pip install 'distrain\[tpu\]'"),
+        (
+            dict(chips=4, libtpu=False),
+            r"4 TPU chips are attached, but JAX's TPU runtime "
+            r"\(libtpu\) is not installed: pip install 'distrain\[tpu\]'",
+        ),
         (dict(chips=4), None),
     ],
 )
@@ -148,12 +163,18 @@ def test_chips_without_libtpu_name_the_extra_in_a_fresh_process(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "TPU_LIBRARY_PATH")}
     env["PYTHONPATH"] = ROOT
     done = subprocess.run(
-        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
-    assert "4 TPU chips are attached, but JAX's TPU runtime (libtpu) is not installed: pip " \
-           "install 'distrain[tpu]'" in done.stdout, done.stdout
+    assert (
+        "4 TPU chips are attached, but JAX's TPU runtime (libtpu) is not installed: pip "
+        "install 'distrain[tpu]'" in done.stdout
+    ), done.stdout
 
 
 def test_the_pci_table_is_jaxs():
@@ -177,15 +198,21 @@ def test_device_assignment_maps_onto_devices_per_replica():
     assert devices_per_replica_from(DeviceAssignment(2, 4), None) == 2
     with pytest.raises(ValueError, match=r"Give the devices of a replica once.*Received both"):
         devices_per_replica_from(DeviceAssignment(2), 2)
-    with pytest.raises(TypeError, match=r"must be a tf\.tpu\.experimental\.DeviceAssignment.*"
-                       r"Received: int 2\. The distrain way: devices_per_replica=k"):
+    with pytest.raises(
+        TypeError,
+        match=r"must be a tf\.tpu\.experimental\.DeviceAssignment.*"
+        r"Received: int 2\. The distrain way: devices_per_replica=k",
+    ):
         devices_per_replica_from(2, None)
     with pytest.raises(ValueError, match=r"num_cores_per_replica must be >= 1\. Received: 0"):
         devices_per_replica_from(DeviceAssignment(0), None)
     check_num_replicas(DeviceAssignment(2, 4), 8)
     check_num_replicas(DeviceAssignment(2), 8)  # no num_replicas: nothing to check
-    with pytest.raises(ValueError, match=r"covers num_replicas x num_cores_per_replica = 2 x 2 = 4 "
-                       r"TPU devices, but the slice has 8.*expected num_replicas=4"):
+    with pytest.raises(
+        ValueError,
+        match=r"covers num_replicas x num_cores_per_replica = 2 x 2 = 4 "
+        r"TPU devices, but the slice has 8.*expected num_replicas=4",
+    ):
         check_num_replicas(DeviceAssignment(2, 2), 8)
 
 
@@ -194,24 +221,34 @@ def test_partition_dimensions_map_onto_inner_axes():
     assert split_spec([4, 1, 1], {"fsdp": 2, "tensor": 2}) == P(("fsdp", "tensor"), None, None)
     assert split_spec([2, 1, 2], {"fsdp": 2, "tensor": 2}) == P("fsdp", None, "tensor")
     assert split_spec([1, 1], {}) == P(None, None)
-    with pytest.raises(ValueError, match=r"must multiply to the devices of a replica \(4, "
-                       r"devices_per_replica=\{'model': 4\}\)\. Received: \[1, 2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"must multiply to the devices of a replica \(4, "
+        r"devices_per_replica=\{'model': 4\}\)\. Received: \[1, 2\]",
+    ):
         split_spec([1, 2], {"model": 4})
-    with pytest.raises(ValueError, match=r"splits 2 dimensions, but the replica's inner axes are "
-                       r"\{'model': 4\}.*devices_per_replica=\{'rows': 2, 'cols': 2\}"):
+    with pytest.raises(
+        ValueError,
+        match=r"splits 2 dimensions, but the replica's inner axes are "
+        r"\{'model': 4\}.*devices_per_replica=\{'rows': 2, 'cols': 2\}",
+    ):
         split_spec([2, 2], {"model": 4})
 
 
 def test_replicas_stay_inside_slices():
     def slices(n_slices, per_slice):
-        return [types.SimpleNamespace(slice_index=s) for s in range(n_slices)
-                for _ in range(per_slice)]
+        return [
+            types.SimpleNamespace(slice_index=s) for s in range(n_slices) for _ in range(per_slice)
+        ]
 
     assert check_slices(jax.devices(), 8) == 1  # CPU devices have no slice_index
     assert check_slices(slices(2, 4), 2) == 2  # inside a slice
     assert check_slices(slices(2, 4), 8) == 2  # whole slices
-    with pytest.raises(ValueError, match=r"A replica of 3 devices would cut across slices of 4 "
-                       r"devices.*dividing 4 \(a replica inside a slice\) or a multiple of it"):
+    with pytest.raises(
+        ValueError,
+        match=r"A replica of 3 devices would cut across slices of 4 "
+        r"devices.*dividing 4 \(a replica inside a slice\) or a multiple of it",
+    ):
         check_slices(slices(2, 4), 3)
     uneven = slices(1, 4) + [types.SimpleNamespace(slice_index=1)]
     with pytest.raises(ValueError, match=r"same number of TPU devices\. Received: \{0: 4, 1: 1\}"):
@@ -268,13 +305,19 @@ def test_tf_spellings_of_the_strategy(chips):
     assert s.num_replicas_in_sync == 2
     s = dt.TPUStrategy(ONE_HOST, devices_per_replica={"fsdp": 2, "tensor": 2})
     assert s.inner_axes == {"fsdp": 2, "tensor": 2}
-    with pytest.raises(TypeError, match=r"Give cluster_resolver once: TensorFlow's keyword "
-                       r"tpu_cluster_resolver"):
+    with pytest.raises(
+        TypeError,
+        match=r"Give cluster_resolver once: TensorFlow's keyword "
+        r"tpu_cluster_resolver",
+    ):
         dt.TPUStrategy(ONE_HOST, tpu_cluster_resolver=ONE_HOST)
     with pytest.raises(TypeError, match=r"keyword device_assignment"):
         dt.TPUStrategy(ONE_HOST, DeviceAssignment(2), device_assignment=DeviceAssignment(2))
-    with pytest.raises(TypeError, match=r"cluster_resolver must be a dt\.ClusterResolver.*"
-                       r"Received: str"):
+    with pytest.raises(
+        TypeError,
+        match=r"cluster_resolver must be a dt\.ClusterResolver.*"
+        r"Received: str",
+    ):
         dt.TPUStrategy("local")
     with pytest.raises(TypeError, match=r"experimental_spmd_xla_partitioning must be a bool"):
         dt.TPUStrategy(ONE_HOST, None, "yes")
@@ -303,11 +346,17 @@ def test_logical_devices_inside_a_replica(chips, monkeypatch):
     assert P(None, "model") in constraints and P() in constraints
     with pytest.raises(RuntimeError, match=r"call it in the function given to strategy\.run"):
         strategy.experimental_split_to_logical_devices(jnp.ones((2, 2)), [1, 2])
-    with pytest.raises(ValueError, match=r"one positive int per dimension of the tensor \(shape "
-                       r"\(2, 2\)\)\. Received: \[2\]"):
+    with pytest.raises(
+        ValueError,
+        match=r"one positive int per dimension of the tensor \(shape "
+        r"\(2, 2\)\)\. Received: \[2\]",
+    ):
         strategy.experimental_split_to_logical_devices(jnp.ones((2, 2)), [2])
-    with pytest.raises(NotImplementedError, match=r"A JAX replica runs one SPMD program.*use "
-                       r"experimental_split_to_logical_devices"):
+    with pytest.raises(
+        NotImplementedError,
+        match=r"A JAX replica runs one SPMD program.*use "
+        r"experimental_split_to_logical_devices",
+    ):
         strategy.experimental_assign_to_logical_device(jnp.ones(2), 1)
 
 

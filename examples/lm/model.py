@@ -48,7 +48,6 @@ __all__ = [
     "REMAT_POLICIES",
     "TENSOR_PARALLEL_LAYOUT",
     "LMConfig",
-
     "constrain_hidden",
     "Transformer",
     "count_params",
@@ -342,7 +341,6 @@ class Transformer(nnx.Module):
                 x = constrain_hidden(call(block, x, ctx))
         # The tied head in the compute dtype; logits (and so the loss) in float32.
         return self.embed.attend(self.norm(x)).astype(jnp.float32)
-
 
     def _pipelined(self, x: jax.Array, ctx: Context) -> jax.Array:
         """The stacked blocks through ``dt.nn.pipeline``; ``ctx`` (per row) goes with

@@ -41,6 +41,7 @@ def main() -> int:
     pid = jax.process_index()
     first_attempt = os.environ.get("DISTRAIN_RESTART_COUNT", "0") == "0"
     faulty = pid == args.fault_process and first_attempt and args.fault != "none"
+
     def batches():
         while True:  # one row per replica: each process feeds its own rows
             yield {"x": np.ones((strategy.num_replicas_in_sync, 4), np.float32)}

@@ -392,8 +392,7 @@ class CheckpointManager:
         if isinstance(error, CheckpointCorruptionError):
             reason = str(error)
         raise CheckpointCorruptionError(
-            f"Checkpoint {where} is damaged: step {step} could not be read back intact "
-            f"({reason})"
+            f"Checkpoint {where} is damaged: step {step} could not be read back intact ({reason})"
         ) from error
 
     def _restore_state(self, step: int, leaves: list[LeafInfo], target: PyTree | None) -> PyTree:

@@ -491,6 +491,7 @@ def _check_cluster(resolver: ClusterResolver, options: CommunicationOptions, tim
     timeout_ms = max(1000, int(timeout * 1000))
     report = {"num_processes": resolver.num_processes, "problem": problem and str(problem)}
     client.key_value_set(f"{_CHECK_KEY}/{pid}", json.dumps(report))
+
     def read(process: int) -> dict:
         return json.loads(client.blocking_key_value_get(f"{_CHECK_KEY}/{process}", timeout_ms))
 

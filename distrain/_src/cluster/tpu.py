@@ -134,8 +134,7 @@ def _int(value: _Value, minimum: int) -> int:
         number = minimum - 1
     if number < minimum:
         raise ValueError(
-            f"TPUClusterResolver: {value.name} must be an integer >= {minimum}. "
-            f"Received: {value}."
+            f"TPUClusterResolver: {value.name} must be an integer >= {minimum}. Received: {value}."
         )
     return number
 
@@ -444,4 +443,3 @@ class TPUClusterResolver(DelegatingClusterResolver):
 
 def _text(value: _Value | None) -> str | None:
     return None if value is None else value.text
-

@@ -133,9 +133,7 @@ def tpu_unavailable_reason(
 ) -> str | None:
     """Why JAX will not run on TPUs in this process, or None; starts nothing."""
     env = os.environ if environ is None else environ
-    started = (
-        sorted({d.platform for d in jax.devices()}) if _backend_initialized() else None
-    )
+    started = sorted({d.platform for d in jax.devices()}) if _backend_initialized() else None
     return absent_reason(
         started=started,
         requested=(

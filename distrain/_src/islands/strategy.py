@@ -27,6 +27,7 @@ Example:
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, final
@@ -144,7 +145,9 @@ class DiLoCoStrategy(Strategy):
             min_shard_bytes=min_shard_bytes,
             replica_groups=(ISLAND_AXIS, islands),
         )
+        # Per user function: what the compiler runs, and the Trainer's inner step.
         self._steps: dict[Any, Callable[..., Any]] = {}
+        self._train_steps: dict[Any, Callable[..., Any]] = {}
 
     # ------------------------------------------------------------------ basics
     @property
@@ -285,7 +288,10 @@ class DiLoCoStrategy(Strategy):
             )
         step = self._steps.get(fn)
         if step is None:
-            step = self._steps[fn] = _inner_step(self, fn)
+            # The Trainer's fused steps already call the inner step once per batch.
+            runs_inner = inspect.unwrap(fn, stop=lambda f: getattr(f, "_islands_of", None) is self)
+            aware = getattr(runs_inner, "_islands_of", None) is self
+            step = self._steps[fn] = _per_island_results(fn if aware else _inner_step(self, fn))
         args, kwargs = jax.tree.map(
             lambda x: x.replace(inner=PerGroup(x.inner)) if _is_state(x) else x,
             (args, kwargs),
@@ -293,9 +299,20 @@ class DiLoCoStrategy(Strategy):
         )
         return step, args, kwargs
 
+    def _train_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """The Trainer's step: the user's as an inner step, once per batch (one object
+        per step, so the Trainer's compiled programs are reused)."""
+        inner = self._train_steps.get(step)
+        if inner is None:
+            inner = self._train_steps[step] = _inner_step(self, step)
+        return inner
+
+    def _eval_state(self, state: Any) -> Any:
+        """Evaluation and prediction see the global model (:meth:`global_view`)."""
+        return self.global_view(state) if isinstance(state, DiLoCoState) else state
+
     def _after_step(self, state: DiLoCoState, new_inner: Any) -> DiLoCoState:
-        """Inside a replica: count the step, run the outer step it calls for; the island's
-        state comes back wrapped for its island row."""
+        """Inside a replica: count the step, run the outer step it calls for."""
         alone = self._islands == 1
         if alone:
             mean: Any = lambda x: x[0]  # noqa: E731 - one island: nothing to exchange
@@ -307,7 +324,7 @@ class DiLoCoStrategy(Strategy):
             )
         stacked = state.replace(inner=jax.tree.map(lambda x: x[None], new_inner))
         stacked = outer.after_inner_step(self._config, stacked, gather=gather, mean=mean)
-        return stacked.replace(inner=PerGroup(jax.tree.map(lambda x: x[0], stacked.inner)))
+        return stacked.replace(inner=jax.tree.map(lambda x: x[0], stacked.inner))
 
     # ---------------------------------------------------------- cross-replica
     def _rows_per_replica(self, tree: Any) -> Any:
@@ -350,8 +367,26 @@ class DiLoCoStrategy(Strategy):
         return super().experimental_local_results(self._rows_per_replica(value))
 
 
+def _per_island_results(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` whose returned DiLoCoStates mark their islands' states as one row per
+    island (``PerGroup``) for the compiler."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        out = fn(*args, **kwargs)
+        return jax.tree.map(
+            lambda x: x.replace(inner=PerGroup(x.inner)) if _is_state(x) else x,
+            out,
+            is_leaf=_is_state,
+        )
+
+    call.__name__ = call.__qualname__ = _checks.fn_name(fn)
+    call.__wrapped__ = fn  # type: ignore[attr-defined]
+    return call
+
+
 def _inner_step(strategy: DiLoCoStrategy, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` as an inner step: the island's state in, the outer logic after."""
+    """``fn`` as an inner step: the island's state in, the outer logic after (inside a
+    replica, the island's state without its island axis)."""
 
     def step(*args: Any, **kwargs: Any) -> Any:
         (state,) = [x for x in jax.tree.leaves((args, kwargs), is_leaf=_is_state) if _is_state(x)]
@@ -376,6 +411,7 @@ def _inner_step(strategy: DiLoCoStrategy, fn: Callable[..., Any]) -> Callable[..
 
     step.__name__ = step.__qualname__ = _checks.fn_name(fn)
     step.__wrapped__ = fn  # type: ignore[attr-defined]
+    step._islands_of = strategy  # type: ignore[attr-defined]
     return step
 
 

@@ -124,9 +124,7 @@ def pipeline(
         return _scan(fn, p, h, a)
 
     run = jax.shard_map(
-        lambda p, xs, auxs: _schedule(
-            checkpoint(chunk), p, xs, auxs, stages, repeats, axis
-        ),
+        lambda p, xs, auxs: _schedule(checkpoint(chunk), p, xs, auxs, stages, repeats, axis),
         mesh=mesh,
         in_specs=(jax.tree.map(lambda _: P(axis), params), P(), P()),
         out_specs=P(),

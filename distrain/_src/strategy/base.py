@@ -397,10 +397,19 @@ class Strategy(abc.ABC):
         peak = parts["argument_bytes"] + parts["output_bytes"] + parts["temp_bytes"]
         return {**parts, "peak_bytes": peak - parts["alias_bytes"]}
 
+    # Three hooks for a strategy whose state wraps the user's (DiLoCo's islands); the
+    # identity here.
     def _prepare_call(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
-        """What the compiler runs for ``run(fn, args, kwargs)``: the same here; a strategy
-        whose state wraps the user's (DiLoCo's islands) adapts the call."""
+        """What the compiler runs for ``run(fn, args, kwargs)``."""
         return fn, args, kwargs
+
+    def _train_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """The step the Trainer calls once per batch inside its fused dispatches."""
+        return step
+
+    def _eval_state(self, state: Any) -> Any:
+        """The state the Trainer's evaluation and prediction steps receive."""
+        return state
 
     def _place_abstract(self, tree: Any) -> Any:
         """``tree`` with each ``jax.ShapeDtypeStruct`` that has no sharding given the

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -32,7 +33,7 @@ import numpy as np
 from distrain._src import context
 from distrain._src.strategy._checks import check_no_leaks
 from distrain._src.train import metrics as metrics_lib
-from distrain._src.values import PerReplica
+from distrain._src.values import PerGroup, PerReplica
 
 if TYPE_CHECKING:
     from distrain._src.strategy.base import Strategy
@@ -176,6 +177,7 @@ def make_train_fn(train_step: Step, num_steps: int) -> Callable[..., Any]:
             return state, acc
 
     train_fn.__name__ = f"train_{num_steps}_{_name(train_step)}"
+    train_fn.__wrapped__ = train_step  # type: ignore[attr-defined]  # whose steps it runs
     return train_fn
 
 
@@ -186,6 +188,7 @@ def make_metrics_fn(train_step: Step) -> Callable[..., Any]:
     def metrics_fn(state: Any, batch: Any) -> Any:
         return run_train_step(train_step, state, batch)[1]
 
+    metrics_fn.__wrapped__ = train_step  # type: ignore[attr-defined]
     return metrics_fn
 
 
@@ -241,8 +244,14 @@ def trace_shapes(strategy: Strategy, fn: Callable[..., Any], args: tuple[Any, ..
     structure before the first dispatch, instead of compiling a second variant.
     """
     n = strategy.num_replicas_in_sync
+    fn, args, _ = strategy._prepare_call(fn, tuple(args), {})
+    # Replica groups (DiLoCo's islands): a row per group; collectives inside the group.
+    groups = {a: strategy.mesh.shape[a] for a in strategy._group_axes}
+    per_group = n // math.prod(groups.values())
 
     def local(x: Any) -> Any:
+        if isinstance(x, PerGroup):
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), x.value)
         if isinstance(x, PerReplica):
             if x.stacked:
                 return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), x.value)
@@ -251,15 +260,18 @@ def trace_shapes(strategy: Strategy, fn: Callable[..., Any], args: tuple[Any, ..
             )
         return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
 
-    local_args = jax.tree.map(local, args, is_leaf=lambda x: isinstance(x, PerReplica))
+    local_args = jax.tree.map(local, args, is_leaf=lambda x: isinstance(x, PerReplica | PerGroup))
     axis = strategy.axis_name
-    ctx = context.ReplicaContext(strategy, axis, strategy.cross_device_ops)
+    ctx = context.ReplicaContext(
+        strategy, axis, strategy.cross_device_ops, num_replicas=per_group if groups else None
+    )
+    axis_env = [*groups.items(), (axis, per_group)]
     with (
         context._enter_scope(strategy),
         context._enter_replica(ctx),
         strategy._replica_mesh_context(),
     ):
-        _, shapes = jax.make_jaxpr(fn, axis_env=[(axis, n)], return_shape=True)(*local_args)
+        _, shapes = jax.make_jaxpr(fn, axis_env=axis_env, return_shape=True)(*local_args)
     check_no_leaks(fn)
     return shapes
 

@@ -157,9 +157,7 @@ class LeafShape(_Section):
     """One batch leaf's row: its shape without the batch dimension, and its dtype."""
 
     shape: list[pydantic.NonNegativeInt]
-    dtype: Literal["float32", "bfloat16", "float16", "int32", "int64", "uint8", "bool"] = (
-        "float32"
-    )
+    dtype: Literal["float32", "bfloat16", "float16", "int32", "int64", "uint8", "bool"] = "float32"
 
 
 class DataConfig(_Section):
