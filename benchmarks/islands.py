@@ -28,10 +28,22 @@ Example::
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import functools
+import json
 import math
+import os
 import re
+import shutil
+import sys
+import tempfile
+import time
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 # --- reading collectives from optimized HLO ----------------------------------------
 
@@ -103,8 +115,6 @@ def _groups(line: str, n_devices: int) -> tuple[tuple[int, ...], ...]:
         )
     iota = re.search(r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?", line)
     if iota:
-        import numpy as np
-
         count, size = int(iota.group(1)), int(iota.group(2))
         dims = [int(v) for v in iota.group(3).split(",")]
         ids = np.arange(math.prod(dims)).reshape(dims)
@@ -171,3 +181,204 @@ def collectives(hlo: str, island_of: Callable[[int], int], n_devices: int = 0) -
                 )
             )
     return out
+
+
+# --- the runs ------------------------------------------------------------------------
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))  # examples/ is importable from the repository root
+CONFIG = ROOT / "configs" / "shakespeare_char.yaml"
+DATA = ROOT.parent / "shared" / "data" / "tinyshakespeare.txt"
+OUT = ROOT / "benchmarks" / "results" / "islands.json"
+TOY = ["model.kwargs.d_model=32", "model.kwargs.n_layers=1", "model.kwargs.n_heads=2"]
+
+
+class Recipe:
+    """The config's model and inner optimizer (its schedule over ``steps``), the text's
+    splits, and the per-replica step."""
+
+    def __init__(self, overrides: list[str], steps: int, data: Path, rows_per_replica: int):
+        import jax
+
+        from distrain._src.train.optimizer import build_optimizer
+        from distrain._src.train.run import _init_model, resolve_callable
+        from distrain.config import load_config
+        from examples.lm import data as lm_data
+        from examples.lm import train as lm_train
+
+        schedule = [
+            f"optimizer.schedule.kwargs.decay_steps={steps}",
+            f"optimizer.schedule.kwargs.warmup_steps={max(1, steps // 20)}",
+        ]
+        self.cfg = load_config(CONFIG, [*overrides, *schedule, f"train.steps={steps}"])
+        kw = self.cfg.model.kwargs
+        self.seq_len = int(kw["seq_len"])
+        self.rows_per_replica = rows_per_replica
+        model_fn = resolve_callable(self.cfg.model.fn, "model.fn")
+        self.apply_fn, self.params = _init_model(model_fn, jax.random.key(0), **kw)
+        self.tx, _ = build_optimizer(self.cfg.optimizer, run_steps=steps)
+        self.step = functools.partial(lm_train.train_step, apply_fn=self.apply_fn)
+        with tempfile.TemporaryDirectory() as cache:  # the shared copy, its hash checked
+            shutil.copy(data, Path(cache) / "tinyshakespeare.txt")
+            text = lm_data.load_tinyshakespeare(cache_dir=cache)
+        self.train = np.frombuffer(text["train"], np.uint8)
+        self.test = lm_data.pack([text["test"]], self.seq_len)
+
+    def batches(self, seed: int, steps: int, rows: int) -> list[np.ndarray]:
+        """``steps`` global batches of ``rows`` random windows of the training text."""
+        rng = np.random.default_rng(seed)
+        starts = rng.integers(0, len(self.train) - self.seq_len - 1, (steps, rows))
+        window = np.arange(self.seq_len + 1)
+        return [self.train[s[:, None] + window] for s in starts]
+
+    def heldout_loss(self, params: Any, rows: int) -> float:
+        """Mean next-byte cross-entropy over the first ``rows`` held-out rows."""
+        import jax
+        import jax.numpy as jnp
+        import optax
+
+        @jax.jit
+        def loss(p: Any, tokens: Any) -> Any:
+            tokens = tokens.astype(jnp.int32)
+            logits = self.apply_fn(p, tokens[:, :-1])
+            return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+        return float(np.mean([loss(params, self.test[i : i + 64]) for i in range(0, rows, 64)]))
+
+
+def train(
+    recipe: Recipe, strategy: Any, seed: int, steps: int, eval_every: int, eval_rows: int
+) -> dict[str, Any]:
+    """``steps`` steps of ``strategy.run`` on seed ``seed``'s batches; held-out loss of the
+    (global) model every ``eval_every`` steps and at the end."""
+    import jax
+
+    import distrain as dt
+
+    rows = recipe.rows_per_replica * strategy.num_replicas_in_sync
+    state = strategy.put_replicated(
+        dt.TrainState.create(params=recipe.params, tx=recipe.tx, rng=jax.random.key(seed))
+    )
+    view = getattr(strategy, "global_view", lambda s: s)
+    curve: list[tuple[int, float]] = []
+    start = time.perf_counter()
+    for i, batch in enumerate(recipe.batches(seed, steps, rows), start=1):
+        batch = strategy.distribute_batch({"tokens": batch})
+        state, _ = strategy.run(recipe.step, args=(state, batch), donate_argnums=0)
+        if i % eval_every == 0 or i == steps:
+            curve.append((i, recipe.heldout_loss(view(state).params, eval_rows)))
+    return {"curve": curve, "final": curve[-1][1], "seconds": time.perf_counter() - start}
+
+
+def communication(recipe: Recipe, islands: int) -> dict[str, Any]:
+    """Collectives of the compiled steps: DiLoCo (per outer_dtype) and data parallel."""
+    import jax
+    import optax
+
+    import distrain as dt
+
+    n = jax.device_count()
+    per_island = n // islands
+    rows = recipe.rows_per_replica * n
+    batch = {"tokens": recipe.batches(0, 1, rows)[0]}
+    state = dt.TrainState.create(params=recipe.params, tx=recipe.tx)
+    out: dict[str, Any] = {"bytes_per_sync": {}, "inner_cross_island_collectives": {}}
+    for dtype in ("float32", "bfloat16", "int4"):
+        strategy = dt.experimental.DiLoCoStrategy(
+            islands=islands, sync_every=10, outer_optimizer=NESTEROV(optax), outer_dtype=dtype
+        )
+        placed = strategy.put_replicated(state)
+        call = strategy._prepare_call(recipe.step, (placed, strategy.distribute_batch(batch)), {})
+        found = collectives(
+            strategy._compiler.compile(*call).as_text(), lambda d: d // per_island, n
+        )
+        out["inner_cross_island_collectives"][dtype] = sum(
+            c.crosses for c in found if not c.in_branch
+        )
+        out["bytes_per_sync"][dtype] = sum(
+            c.sent_per_device for c in found if c.in_branch and c.crosses
+        )
+    mirrored = dt.MirroredStrategy()
+    placed = mirrored.put_replicated(state)
+    compiled = mirrored._compiler.compile(
+        recipe.step, (placed, mirrored.distribute_batch(batch)), {}
+    )
+    out["dp_bytes_per_step"] = sum(
+        c.sent_per_device for c in collectives(compiled.as_text(), lambda d: 0, n)
+    )
+    out["param_bytes"] = sum(x.nbytes for x in jax.tree.leaves(recipe.params))
+    return out
+
+
+def NESTEROV(optax: Any) -> Any:  # noqa: N802 - DiLoCo's outer optimizer
+    return optax.sgd(0.7, momentum=0.9, nesterov=True)
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--toy", action="store_true", help="smoke-test size")
+    parser.add_argument("--steps", type=int, default=600)
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--islands", type=int, default=4)
+    parser.add_argument("--sync-every", type=int, nargs="+", default=[10, 50])
+    parser.add_argument("--rows-per-replica", type=int, default=4)
+    parser.add_argument("--eval-rows", type=int, default=512)
+    parser.add_argument("--data", type=Path, default=DATA)
+    parser.add_argument("--json", type=Path, default=OUT)
+    args = parser.parse_args(argv)
+    if args.toy:
+        args.steps, args.seeds, args.sync_every, args.eval_rows = 20, 1, [5, 10], 64
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+    import optax
+
+    import distrain as dt
+
+    recipe = Recipe(TOY if args.toy else [], args.steps, args.data, args.rows_per_replica)
+    result: dict[str, Any] = {
+        "command": "python -m benchmarks.islands "
+        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "devices": jax.device_count(),
+        "backend": jax.default_backend(),
+        "jax": jax.__version__,
+        "islands": args.islands,
+        "steps": args.steps,
+        "global_batch_rows": args.rows_per_replica * jax.device_count(),
+        "seq_len": recipe.seq_len,
+        **communication(recipe, args.islands),
+        "runs": {},
+    }
+    eval_every = max(1, args.steps // 10)
+    for seed in range(args.seeds):
+        runs = {"data_parallel": dt.MirroredStrategy()}
+        for h in args.sync_every:
+            runs[f"diloco_h{h}"] = dt.experimental.DiLoCoStrategy(
+                islands=args.islands, sync_every=h, outer_optimizer=NESTEROV(optax)
+            )
+        for name, strategy in runs.items():
+            r = train(recipe, strategy, seed, args.steps, eval_every, args.eval_rows)
+            result["runs"].setdefault(name, []).append(r)
+            print(f"seed {seed} {name}: held-out loss {r['final']:.4f} ({r['seconds']:.0f} s)")
+    dp = [r["final"] for r in result["runs"]["data_parallel"]]
+    result["seed_spread"] = max(dp) - min(dp)
+    for h in args.sync_every:
+        gaps = [
+            d["final"] - p["final"]
+            for d, p in zip(
+                result["runs"][f"diloco_h{h}"], result["runs"]["data_parallel"], strict=True
+            )
+        ]
+        result[f"loss_gap_h{h}"] = float(np.mean(gaps))
+        result[f"within_target_h{h}"] = abs(result[f"loss_gap_h{h}"]) <= max(
+            3 * result["seed_spread"], 0.02 * float(np.mean(dp))
+        )
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
+    return result
+
+
+if __name__ == "__main__":
+    main()

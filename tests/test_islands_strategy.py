@@ -8,7 +8,9 @@ at H = 1.
 
 from __future__ import annotations
 
+import pathlib
 import re
+import sys
 import warnings
 
 import jax
@@ -21,6 +23,7 @@ from jax.sharding import PartitionSpec as P
 import distrain as dt
 from distrain._src.islands import outer
 from distrain._src.islands.schedule import DiLoCoConfig
+from tests.processes import run_together
 
 NESTEROV = optax.sgd(0.7, momentum=0.9, nesterov=True)
 
@@ -431,3 +434,64 @@ def test_trainer_fit_counts_every_batch_as_an_inner_step(devices, steps_per_exec
     np.testing.assert_allclose(
         out, data[0][0] @ np.asarray(state.params["dense"]["kernel"]), rtol=1e-5
     )
+
+
+@pytest.mark.parametrize("outer_dtype", ["bfloat16", "int8", "int4"])
+def test_quantized_outer_gradients_cross_islands_at_their_width(devices, outer_dtype):
+    """The outer step's cross-island all-gathers carry the codec's bytes, per island:
+    2 per value (bfloat16 travels as 16-bit words: XLA:CPU would widen a bfloat16
+    all-gather to float32), 1 (int8) or half a byte per value rounded up per tensor
+    (int4), plus one float32 scale per tensor for the integer codecs."""
+    from benchmarks.islands import collectives
+
+    strategy = dt.experimental.DiLoCoStrategy(
+        islands=4, sync_every=2, outer_optimizer=NESTEROV, outer_dtype=outer_dtype
+    )
+    rng = np.random.default_rng(8)
+    params = _params(rng)
+    state = strategy.put_replicated(dt.TrainState.create(params=params, tx=optax.sgd(0.1)))
+    call = strategy._prepare_call(
+        train_step, (state, strategy.distribute_batch(_data(rng, 1)[0])), {}
+    )
+    found = collectives(strategy._compiler.compile(*call).as_text(), lambda d: d // 2)
+    gathered = [c for c in found if c.crosses and c.op == "all-gather"]
+    assert gathered and all(c.in_branch for c in gathered)
+    sizes = [x.size for x in jax.tree.leaves(params)]
+    per_island = {
+        "bfloat16": sum(2 * n for n in sizes),
+        "int8": sum(n + 4 for n in sizes),
+        "int4": sum(-(-n // 2) + 4 for n in sizes),
+    }[outer_dtype]
+    assert sum(c.bytes for c in gathered) == 4 * per_island
+
+
+# --- several processes ----------------------------------------------------------------
+
+
+def test_one_island_per_process_trains_as_one_process(tmp_path):
+    """2 processes x 2 devices on 127.0.0.1, one island each, against 1 process x 4
+    devices: the same losses, global parameters and islands' parameters (each process
+    holds its own island's)."""
+    from tests.test_multi_worker import clean_env, cluster, load
+
+    script = str(pathlib.Path(__file__).parent / "scripts" / "diloco_mp.py")
+    ref_dir = tmp_path / "ref"
+    ref_dir.mkdir()
+    [(code, log, _)] = run_together(
+        [([sys.executable, script, "--out", str(ref_dir)], clean_env(4))], 120
+    )
+    assert code == 0, log
+    ref = load(ref_dir)
+    assert (int(ref["nproc"]), int(ref["replicas"]), int(ref["step"])) == (1, 4, 7)
+
+    results = cluster([script, "--out", str(tmp_path)], nproc=2, devices=2)
+    for code, log, _ in results:
+        assert code == 0, log
+    for pid in (0, 1):
+        got = load(tmp_path, pid)
+        assert (int(got["nproc"]), int(got["replicas"])) == (2, 4)
+        np.testing.assert_allclose(got["losses"], ref["losses"], rtol=1e-5)
+        np.testing.assert_allclose(got["global_kernel"], ref["global_kernel"], rtol=1e-5, atol=1e-6)
+        mine = ref["island_kernels"][2 * pid : 2 * pid + 2]  # this process's two replicas
+        np.testing.assert_allclose(got["island_kernels"], mine, rtol=1e-5, atol=1e-6)
+    assert not np.allclose(ref["island_kernels"][0], ref["island_kernels"][2])  # apart since step 6

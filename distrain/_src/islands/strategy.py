@@ -40,6 +40,9 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from distrain._src import context
+from distrain._src.cluster.base import ClusterResolver
+from distrain._src.cluster.resolve import resolve_cluster
+from distrain._src.cluster.runtime import initialize_distributed
 from distrain._src.cross_device_ops import CrossDeviceOps
 from distrain._src.islands import outer
 from distrain._src.islands.codecs import OuterDType
@@ -85,7 +88,11 @@ class DiLoCoStrategy(Strategy):
       outer_dtype: what each island sends: ``"float32"``, ``"bfloat16"``, ``"int8"`` or
         ``"int4"`` (absmax per tensor, two values per byte); decoded and averaged in
         float32.
-      devices: the devices, in island order (default: every device of every process).
+      devices: the devices, in island order (default: every device of every process,
+        after joining the cluster ``cluster_resolver`` or the environment describes, as
+        ``dt.MultiWorkerMirroredStrategy`` does).
+      cluster_resolver: the processes (default ``dt.resolve_cluster()``); with several,
+        each island is whole processes or part of one.
       cross_device_ops, devices_per_replica, layout, logical_axis_rules, batch_layout,
         min_shard_bytes: as ``dt.MirroredStrategy``'s, inside each island.
 
@@ -116,6 +123,7 @@ class DiLoCoStrategy(Strategy):
         fragment_update_alpha: float = 0.0,
         outer_dtype: OuterDType = "float32",
         devices: Sequence[DeviceSpec] | None = None,
+        cluster_resolver: ClusterResolver | None = None,
         cross_device_ops: CrossDeviceOps | None = None,
         devices_per_replica: DevicesPerReplica = 1,
         layout: LayoutRules | None = None,
@@ -132,7 +140,15 @@ class DiLoCoStrategy(Strategy):
             fragment_update_alpha=fragment_update_alpha,
             outer_dtype=outer_dtype,
         )
-        found = tuple(jax.devices()) if devices is None else parse_devices(devices)
+        if devices is None:
+            # Every device of every process, processes in order (each island whole
+            # processes or part of one); joins the cluster the environment describes.
+            resolver = cluster_resolver if cluster_resolver is not None else resolve_cluster()
+            if cluster_resolver is not None or resolver.num_processes > 1:
+                initialize_distributed(resolver)
+            found = tuple(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
+        else:
+            found = parse_devices(devices)
         _check_islands(islands, found, devices_per_replica)
         self._islands = islands
         super().__init__(
@@ -319,9 +335,7 @@ class DiLoCoStrategy(Strategy):
             gather: Any = None
         else:
             mean = lambda x: jax.lax.pmean(x[0], ISLAND_AXIS)  # noqa: E731
-            gather = functools.partial(
-                jax.tree.map, lambda e: jax.lax.all_gather(e, ISLAND_AXIS, axis=0, tiled=True)
-            )
+            gather = functools.partial(jax.tree.map, _gather_islands)
         stacked = state.replace(inner=jax.tree.map(lambda x: x[None], new_inner))
         stacked = outer.after_inner_step(self._config, stacked, gather=gather, mean=mean)
         return stacked.replace(inner=jax.tree.map(lambda x: x[0], stacked.inner))
@@ -365,6 +379,17 @@ class DiLoCoStrategy(Strategy):
         """One component per local replica, islands in order; an island-varying array
         gives each replica its island's row (without the island axis)."""
         return super().experimental_local_results(self._rows_per_replica(value))
+
+
+def _gather_islands(x: jax.Array) -> jax.Array:
+    """All islands' payloads (island axis first). Floating payloads under 32 bits travel
+    as unsigned ints of their width: XLA:CPU widens a bfloat16 all-gather to float32
+    (measured: twice the bytes of the codec), an integer one it sends as is."""
+    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4:
+        bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
+        out = jax.lax.all_gather(jax.lax.bitcast_convert_type(x, bits), ISLAND_AXIS, tiled=True)
+        return jax.lax.bitcast_convert_type(out, x.dtype)
+    return jax.lax.all_gather(x, ISLAND_AXIS, axis=0, tiled=True)
 
 
 def _per_island_results(fn: Callable[..., Any]) -> Callable[..., Any]:
