@@ -311,6 +311,35 @@ def communication(recipe: Recipe, islands: int) -> dict[str, Any]:
     return out
 
 
+def plot(result: dict[str, Any], path: Path) -> None:
+    """Held-out loss against training tokens: each configuration's mean over seeds,
+    with its seeds' range shaded."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    tokens = result["global_batch_rows"] * result["seq_len"]
+    fig, ax = plt.subplots(figsize=(6.4, 4.0))
+    for name, runs in result["runs"].items():
+        steps = [s for s, _ in runs[0]["curve"]]
+        losses = np.array([[v for _, v in r["curve"]] for r in runs])
+        x = np.array(steps) * tokens / 1e6
+        label = (
+            "data parallel" if name == "data_parallel" else name.replace("diloco_h", "DiLoCo, H = ")
+        )
+        ax.plot(x, losses.mean(0), label=label)
+        ax.fill_between(x, losses.min(0), losses.max(0), alpha=0.2)
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("held-out loss (nats per byte)")
+    ax.set_title(f"TinyShakespeare, {result['islands']} islands, {len(runs)} seeds")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def NESTEROV(optax: Any) -> Any:  # noqa: N802 - DiLoCo's outer optimizer
     return optax.sgd(0.7, momentum=0.9, nesterov=True)
 
@@ -326,7 +355,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--eval-rows", type=int, default=512)
     parser.add_argument("--data", type=Path, default=DATA)
     parser.add_argument("--json", type=Path, default=OUT)
+    parser.add_argument("--plot", type=Path, default=None, help="a PNG of the curves")
+    parser.add_argument("--replot", action="store_true", help="only redraw --plot from --json")
     args = parser.parse_args(argv)
+    if args.replot:
+        plot(json.loads(args.json.read_text()), args.plot)
+        return {}
     if args.toy:
         args.steps, args.seeds, args.sync_every, args.eval_rows = 20, 1, [5, 10], 64
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
@@ -376,6 +410,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(result, indent=1) + "\n")
+    if args.plot is not None:
+        plot(result, args.plot)
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
     return result
 

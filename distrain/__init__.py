@@ -48,6 +48,7 @@ from distrain._src.strategy.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
 from distrain._src.strategy.one_device import OneDeviceStrategy as OneDeviceStrategy
+from distrain._src.strategy.replica_layout import ReplicaLayout as ReplicaLayout
 from distrain._src.strategy.tpu import TPUStrategy as TPUStrategy
 from distrain._src.train.accumulation import accumulate_gradients as accumulate_gradients
 from distrain._src.train.history import History as History
@@ -107,6 +108,7 @@ __all__ = [
     "ReduceOp",
     "ReductionToOneDevice",
     "ReplicaContext",
+    "ReplicaLayout",
     "SimpleClusterResolver",
     "Strategy",
     "TFConfigClusterResolver",

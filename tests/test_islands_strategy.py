@@ -87,6 +87,10 @@ CASES = {
     ),
     "int8": ({"sync_every": 2, "outer_dtype": "int8"}, {}),
     "fsdp_inside": ({"sync_every": 3}, {"devices_per_replica": {"fsdp": 2}, "min_shard_bytes": 0}),
+    "batch_layout": (
+        {"sync_every": 3},
+        {"devices_per_replica": {"context": 2}, "batch_layout": {r"^0$": P(None, "context")}},
+    ),
 }
 
 
@@ -495,3 +499,52 @@ def test_one_island_per_process_trains_as_one_process(tmp_path):
         mine = ref["island_kernels"][2 * pid : 2 * pid + 2]  # this process's two replicas
         np.testing.assert_allclose(got["island_kernels"], mine, rtol=1e-5, atol=1e-6)
     assert not np.allclose(ref["island_kernels"][0], ref["island_kernels"][2])  # apart since step 6
+
+
+def test_backup_and_restore_resumes_a_crashed_fit_mid_round(devices, tmp_path):
+    """Trainer.fit with BackupAndRestore every 2 steps crashes after step 7 (the backup
+    of step 6 is mid-round: H = 4); the next fit resumes from it and ends where an
+    uninterrupted fit ends, bit for bit."""
+    strategy = dt.experimental.DiLoCoStrategy(islands=2, sync_every=4, outer_optimizer=NESTEROV)
+    rng = np.random.default_rng(9)
+    params = _params(rng)
+    batches = [{"x": x, "y": y} for x, y in _data(rng, 10)]
+
+    def fresh():
+        return dt.TrainState.create(params=params, tx=optax.adam(0.01))
+
+    straight, _ = dt.Trainer(strategy, _trainer_step).fit(fresh(), batches, epochs=1)
+
+    def crash(info):
+        if info.step >= 7:
+            raise RuntimeError("simulated crash")
+
+    backup = dt.callbacks.BackupAndRestore(tmp_path / "bk", save_freq=2)
+    with pytest.raises(RuntimeError, match="simulated crash"):
+        dt.Trainer(strategy, _trainer_step).fit(
+            fresh(),
+            batches,
+            epochs=1,
+            callbacks=[backup, dt.callbacks.LambdaCallback(on_train_batch_end=crash)],
+        )
+    trainer = dt.Trainer(strategy, _trainer_step)
+    backup = dt.callbacks.BackupAndRestore(tmp_path / "bk", save_freq=2)
+    resumed, _ = trainer.fit(fresh(), batches, epochs=1, callbacks=[backup])
+    assert trainer.loop.initial_step == 6
+    for a, b in zip(jax.tree.leaves(straight), jax.tree.leaves(resumed), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_memory_report_counts_the_global_copy_and_one_island_row(devices):
+    """Per device: the global parameters and outer state whole, and of each island-
+    varying leaf the one row of its island."""
+    strategy = dt.experimental.DiLoCoStrategy(
+        islands=2, sync_every=4, outer_optimizer=optax.sgd(0.7, momentum=0.9)
+    )
+    params = _params(np.random.default_rng(10))
+    state = strategy.put_replicated(dt.TrainState.create(params=params, tx=optax.adam(0.01)))
+    p = sum(x.nbytes for x in jax.tree.leaves(params))
+    per_device = strategy.memory_report(state)["bytes_per_device"]
+    # The global params and the outer momentum; the island's params and Adam's two
+    # moments; three int32 counters (the inner steps, the island's step, Adam's count).
+    assert per_device == 2 * p + 3 * p + 3 * 4

@@ -32,7 +32,16 @@ class Replicas(Protocol):
         """How many replicas there are."""
         ...
 
-    def _batch_shardings(
+    @property
+    def replica_layout(self) -> BatchPlacement:
+        """Where batches live (a ``dt.ReplicaLayout``)."""
+        ...
+
+
+class BatchPlacement(Protocol):
+    """What the data path reads of a strategy's ``ReplicaLayout``."""
+
+    def batch_shardings(
         self, leaves: Sequence[Any], treedef: Any, rows: int, layout: bool = True
     ) -> list[Any]:
         """One sharding per leaf of a global batch of ``rows`` rows."""

@@ -42,7 +42,7 @@ def place_global(
     """``shard_global_batch`` of a batch already flattened and measured (``size`` rows);
     ``layout=False``: rows only, whatever the strategy's ``batch_layout`` says."""
     per_replica_size(size, strategy.num_replicas_in_sync)
-    shardings = strategy._batch_shardings(leaves, treedef, size, layout)
+    shardings = strategy.replica_layout.batch_shardings(leaves, treedef, size, layout)
     placed = zip(leaves, shardings, strict=True)
     if all(isinstance(x, jax.Array) and x.sharding == s for x, s in placed):
         arrays = leaves  # already placed: device_put would still cost ~0.3 ms per batch
@@ -61,7 +61,9 @@ def place_local(
 ) -> PerReplica:
     """Assembles the global batch from this process's rows, already flattened, measured
     (``local`` rows) and checked to divide over its replicas (``batches.BatchShaper``)."""
-    shardings = strategy._batch_shardings(leaves, treedef, local * jax.process_count(), layout)
+    shardings = strategy.replica_layout.batch_shardings(
+        leaves, treedef, local * jax.process_count(), layout
+    )
     if jax.process_count() == 1:
         arrays = jax.device_put(leaves, shardings)
     else:

@@ -192,7 +192,7 @@ class DiLoCoStrategy(Strategy):
         )
 
     def state_sharding(self, shape: tuple[int, ...], path: str = "") -> jax.sharding.Sharding:
-        return self._data_parallel_sharding(shape, path)
+        return self._placement.state_sharding(shape, path)
 
     def island_sharding(self, shape: tuple[int, ...], path: str = "") -> NamedSharding:
         """Where an island-varying leaf of ``shape`` (island axis first) lives: one row
@@ -220,9 +220,7 @@ class DiLoCoStrategy(Strategy):
                 "`replace` (dt.TrainState, flax's TrainState) or a DiLoCoState. Received: "
                 f"{type(tree).__name__}."
             )
-        if self._layout is not None and self._layout.has_rules:
-            flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-            self._layout.check_all_used([_layout.path_str(p) for p, _ in flat])
+        self._placement.check_rules_used(tree)
         make = functools.partial(outer.init, self._config, islands=self._islands)
         abstract = jax.eval_shape(make, tree)
         # One program builds the islands' copies where they live (no I copies on one device).

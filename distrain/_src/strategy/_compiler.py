@@ -204,10 +204,10 @@ class ReplicaCompiler:
         strategy = self._strategy
         n, axis, mesh = strategy.num_replicas_in_sync, strategy.axis_name, strategy.mesh
         spans = bool(strategy.inner_axes)
-        in_mesh = strategy._replica_mesh_context
+        in_mesh = strategy.replica_layout.mesh_context
         # Replica groups (DiLoCo's islands): an outer manual axis; the replica context,
         # its collectives and its replica count stay inside the group.
-        groups = strategy._group_axes
+        groups = strategy.replica_layout.group_axes
         g = int(np.prod([mesh.shape[a] for a in groups], dtype=int))
         per_group = n // g
         rep = (*groups, axis) if groups else axis
@@ -455,5 +455,7 @@ def _place_group(strategy: Strategy, x: jax.Array, path: str) -> jax.Array:
     group as the strategy keeps state of its shape and path."""
     inner = strategy.state_sharding(tuple(x.shape[1:]), path)
     spec = inner.spec if isinstance(inner, jax.sharding.NamedSharding) else P()
-    target = jax.sharding.NamedSharding(strategy.mesh, P(*strategy._group_axes, *spec))
+    target = jax.sharding.NamedSharding(
+        strategy.mesh, P(*strategy.replica_layout.group_axes, *spec)
+    )
     return jax.lax.with_sharding_constraint(x, target)

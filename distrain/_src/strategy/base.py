@@ -1,15 +1,15 @@
-"""The strategy interface: where replicas live, where state lives, how batches split.
+"""The strategy interface: the tf.distribute surface over a replica layout.
 
 Who owns what (one concept per module):
 
 * ``Strategy`` (this module) is the abstract interface users program against: the
-  device mesh (one replica per device, or a named mesh of devices per replica: see
-  ``replica_mesh.py``; state laid out inside it by ``layout.py``), the layout hook
-  :meth:`Strategy.state_sharding` (where a state leaf
-  lives) that each concrete strategy fills, and the tf.distribute methods (``run``,
-  ``reduce``, ``gather``, ``experimental_local_results``, the distribute methods).
-  Global batches are always split over the replicas, in replica order (and over each
-  replica's devices).
+  tf.distribute methods (``run``, ``reduce``, ``gather``, ``experimental_local_results``,
+  the distribute methods) and the hook :meth:`Strategy.state_sharding` each concrete
+  strategy fills (from its layout).
+* ``replica_layout.ReplicaLayout`` owns *where* values live: the mesh (one replica per
+  device, or a named mesh of devices per replica, ``replica_mesh.py``), the state's
+  layout (``layout.py``), the batches' (``batch_layout.py``) and placement. A strategy
+  composes one (``strategy.replica_layout``).
 * ``_compiler.ReplicaCompiler`` compiles and dispatches replica functions (``run``); a
   strategy owns one and delegates to it.
 * ``_cross_replica`` holds the reduce / gather kernels; ``_checks`` the argument and
@@ -19,18 +19,12 @@ Who owns what (one concept per module):
 A strategy whose state lives outside the compute mesh (central storage) gets its
 broadcast inputs moved to the mesh and its replicated results moved back by the
 compiler; nothing else changes. The Trainer only talks to this interface.
-
-Size: ~510 lines: the whole tf.distribute surface on one interface (most of it
-docstrings); the kernels behind it are in ``_compiler``, ``_cross_replica``,
-``_checks`` and ``layout``.
 """
 
 from __future__ import annotations
 
 import abc
-import contextlib
 import functools
-import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
@@ -38,7 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from distrain._src import context
@@ -53,7 +47,7 @@ from distrain._src.strategy import _cross_replica as xr
 from distrain._src.strategy import layout as _layout
 from distrain._src.strategy._checks import check_placeable
 from distrain._src.strategy._compiler import ReplicaCompiler
-from distrain._src.strategy.batch_layout import BatchLayout
+from distrain._src.strategy.replica_layout import REPLICA_AXIS, ReplicaLayout
 from distrain._src.values import PerReplica
 
 __all__ = ["Strategy", "check_placeable"]
@@ -63,23 +57,12 @@ def _is_per_replica(x: Any) -> bool:
     return isinstance(x, PerReplica)
 
 
-def _unaliased(x: Any, sharding: jax.sharding.Sharding) -> Any:
-    """``x``, copied where it is if placing it with ``sharding`` would reuse its buffers.
-
-    ``jax.device_put`` keeps a JAX array's buffer on every target device that holds
-    one (``may_alias=False`` does not prevent it when the array is replicated to more
-    devices, jax 0.10-0.12), so donating the placed array would delete the caller's.
-    """
-    if isinstance(x, jax.Array) and not x.sharding.device_set.isdisjoint(sharding.device_set):
-        return jnp.copy(x)
-    return x
-
-
 class Strategy(abc.ABC):
     """Abstract base of all synchronous strategies: replicas on the devices of a mesh.
 
-    Concrete strategies choose devices and fill :meth:`state_sharding`; everything else
-    derives from the mesh.
+    Concrete strategies choose devices and fill :meth:`state_sharding` (from their
+    :class:`ReplicaLayout`, built from the layout keywords below); everything else
+    derives from the layout's mesh.
 
     Args:
       devices: the devices, in replica order.
@@ -99,13 +82,16 @@ class Strategy(abc.ABC):
         other dimensions of batch leaves, e.g. ``{"tokens": P(None, "context")}``
         (``batch_layout.py``).
       min_shard_bytes: with inner axes, FSDP leaves below this size stay replicated.
+      shard_state: data-parallel strategies' FSDP storage between steps
+        (``sharded.py``).
       replica_groups: ``(axis name, g)``: ``g`` equal groups of replicas on an outer
         mesh axis, ``(name, axis_name, *inner)`` (DiLoCo's islands,
         ``islands/strategy.py``). Batches split over every replica, group by group;
         inside a step collectives stay in the replica's group.
+      state_device: state lives whole on this device (central storage).
     """
 
-    axis_name = "replica"
+    axis_name = REPLICA_AXIS
     inner_axis_name = replica_mesh.INNER_AXIS
 
     def __init__(
@@ -119,93 +105,34 @@ class Strategy(abc.ABC):
         logical_axis_rules: _layout.LogicalAxisRules | None = None,
         batch_layout: Mapping[str, P] | None = None,
         min_shard_bytes: int = sharded.DEFAULT_MIN_SHARD_BYTES,
+        shard_state: bool | str = False,
         replica_groups: tuple[str, int] | None = None,
+        state_device: jax.Device | None = None,
     ) -> None:
-        self._devices = tuple(devices)
-        inner = replica_mesh.resolve_inner_axes(devices_per_replica, self._devices, self.axis_name)
-        # The axes a replica's index runs over: the replica axis, after the group axis
-        # when there are groups. Batches and per-replica results split over all of them.
-        self._group_axes = () if replica_groups is None else (replica_groups[0],)
-        self._replica_axes = (*self._group_axes, self.axis_name)
-        rep_entry = self._replica_axes if self._group_axes else self.axis_name
-        given = [
-            name
-            for name, v in (
-                ("layout", layout),
-                ("logical_axis_rules", logical_axis_rules),
-                ("batch_layout", batch_layout),
-            )
-            if v is not None
-        ]
-        if given and not inner:
-            raise ValueError(
-                f"`{given[0]}` lays values out over the devices of a replica, so it needs "
-                "devices_per_replica > 1 or named inner axes. Received: "
-                f"{given[0]} with devices_per_replica=1."
-            )
-        self._inner_axes = inner
-        self._devices_per_replica = k = math.prod(inner.values())
-        self._mesh = replica_mesh.replica_mesh(self._devices, inner, self.axis_name, replica_groups)
-        self._spans_processes = replica_mesh.spans_processes(self._devices, k)
+        self._placement = ReplicaLayout(
+            devices,
+            devices_per_replica=devices_per_replica,
+            layout=layout,
+            logical_axis_rules=logical_axis_rules,
+            batch_layout=batch_layout,
+            min_shard_bytes=min_shard_bytes,
+            shard_state=shard_state,  # type: ignore[arg-type]
+            replica_groups=replica_groups,
+            state_device=state_device,
+        )
+        # The mesh and the shardings the compiler and the cross-replica kernels use.
+        self._devices = self._placement.devices
+        self._mesh = self._placement.mesh
+        self._replicated = self._placement.replicated
+        self._stacked = self._placement.stacked
         self._cross_device_ops = resolve(cross_device_ops)
-        self._replicated = NamedSharding(self._mesh, P())
-        # Stacked per-replica results: one row per replica, whole on each of its devices.
-        self._stacked = NamedSharding(self._mesh, P(rep_entry))
-        # Where state lives: whole on every device (None), or a Layout over the inner
-        # axes (here) or over the replicas (shard_state, below).
-        self._layout: _layout.Layout | None = None
-        min_shard_bytes = sharded.check_min_shard_bytes(min_shard_bytes)
-        if inner:
-            fsdp = _layout.FSDP_AXIS if _layout.FSDP_AXIS in inner else next(iter(inner))
-            self._layout = _layout.Layout(
-                self._mesh,
-                fsdp,
-                layout,
-                min_shard_bytes,
-                axes=tuple(inner),
-                logical_axis_rules=logical_axis_rules,
-            )
-        # Global batches: replica i's rows, split over replica i's devices (in mesh
-        # order, so each process's devices hold a contiguous block of rows), whole over
-        # the model axes of its layout ("tensor": replica_mesh.row_axes).
-        model_axes = self._layout.model_axes if self._layout is not None else frozenset()
-        self._row_axes = replica_mesh.row_axes(self._mesh, self._replica_axes, model_axes)
-        self._split = NamedSharding(
-            self._mesh, P((*self._replica_axes, *self._row_axes) if inner else rep_entry)
-        )
-        self._batch_layout = (
-            None
-            if batch_layout is None
-            else BatchLayout(self._mesh, self._replica_axes, batch_layout, row_axes=self._row_axes)
-        )
         self._compiler = ReplicaCompiler(self, max_in_flight)
 
-    def _set_shard_state(self, shard_state: bool | str, min_shard_bytes: int) -> None:
-        """Data-parallel strategies' ``shard_state`` option (see ``strategy/sharded.py``):
-        the FSDP layout over the replicas, between steps only."""
-        sharded.check_shard_state(shard_state)
-        if shard_state and self._inner_axes:
-            raise ValueError(
-                "shard_state splits the state over replicas between steps; with "
-                f"devices_per_replica={self._devices_per_replica} each replica already "
-                "keeps it split over its devices, inside every step too. Use one of them "
-                f"(Received: shard_state={shard_state!r})."
-            )
-        if shard_state:
-            mesh = (
-                sharded.within_processes(self._devices, self.axis_name)
-                if shard_state == "process"
-                else self._mesh
-            )
-            self._layout = _layout.Layout(mesh, self.axis_name, None, min_shard_bytes)
-
-    def _data_parallel_sharding(
-        self, shape: tuple[int, ...], path: str = ""
-    ) -> jax.sharding.Sharding:
-        """A full copy per replica, laid out over each replica's devices (``layout.py``)
-        when it spans several, or with ``shard_state`` one slice per replica (or per
-        device of each process, with ``shard_state="process"``)."""
-        return self._replicated if self._layout is None else self._layout.sharding(shape, path)
+    @property
+    def replica_layout(self) -> ReplicaLayout:
+        """Where this strategy's values live: the mesh, the state's and the batches'
+        shardings, and placement (:class:`dt.ReplicaLayout`)."""
+        return self._placement
 
     def memory_report(self, tree: Any) -> dict[str, int]:
         """Bytes of ``tree``'s arrays per device (``"bytes_per_device"``) and of one full
@@ -240,7 +167,7 @@ class Strategy(abc.ABC):
           >>> dt.MirroredStrategy(devices_per_replica={"fsdp": 4, "tensor": 2}).inner_axes
           {'fsdp': 4, 'tensor': 2}
         """
-        return dict(self._inner_axes)
+        return self._placement.inner_axes
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:
@@ -248,28 +175,16 @@ class Strategy(abc.ABC):
 
     @property
     def num_replicas_in_sync(self) -> int:
-        return len(self._devices) // self._devices_per_replica
+        return self._placement.num_replicas
 
     @property
     def devices_per_replica(self) -> int:
         """How many devices each replica spans (1: one replica per device)."""
-        return self._devices_per_replica
+        return self._placement.devices_per_replica
 
     def replica_devices(self, replica_id: int) -> tuple[jax.Device, ...]:
         """The devices of replica ``replica_id`` (neighbours, in mesh order)."""
-        k = self._devices_per_replica
-        return self._devices[replica_id * k : (replica_id + 1) * k]
-
-    def _local_replicas(self) -> list[tuple[int, tuple[jax.Device, ...]]]:
-        """``(replica id, its devices here)`` for the replicas with a device in this
-        process (a replica that spans processes is local to each of them)."""
-        here = jax.process_index()
-        out = []
-        for i in range(self.num_replicas_in_sync):
-            local = tuple(d for d in self.replica_devices(i) if d.process_index == here)
-            if local:
-                out.append((i, local))
-        return out
+        return self._placement.replica_devices(replica_id)
 
     @property
     def is_chief(self) -> bool:
@@ -280,28 +195,16 @@ class Strategy(abc.ABC):
     def cross_device_ops(self) -> CrossDeviceOps:
         return self._cross_device_ops
 
-    def _replica_mesh_context(self) -> AbstractContextManager[Any]:
-        """Where a replica function is traced: its named mesh is the context mesh, so
-        ``with_sharding_constraint`` with inner axis names lays out activations and
-        framework ops (``dt.nn``) find their axes. The replica axis is manual there,
-        except for a single replica, whose program is plain GSPMD."""
-        if not self._inner_axes:
-            return contextlib.nullcontext()
-        abstract = self._mesh.abstract_mesh
-        if self.num_replicas_in_sync > 1:
-            abstract = abstract.update_axis_types({a: AxisType.Manual for a in self._replica_axes})
-        return jax.sharding.use_abstract_mesh(abstract)
-
     def scope(self) -> AbstractContextManager[Strategy]:
         """Makes this the current strategy (``dt.get_strategy()``) inside a ``with``."""
         return context._enter_scope(self)
 
     def __repr__(self) -> str:
-        inner = self._inner_axes
+        inner = self._placement.inner_axes
         extra = (
             ""
             if not inner
-            else f", devices_per_replica={self._devices_per_replica}"
+            else f", devices_per_replica={self.devices_per_replica}"
             if list(inner) == [self.inner_axis_name]
             else f", devices_per_replica={inner}"
         )
@@ -320,27 +223,8 @@ class Strategy(abc.ABC):
           TypeError: a leaf that is not an array or a number (the message names it).
         """
         tree = check_placeable(tree)
-        if self._layout is not None and self._layout.has_rules:
-            paths = [_layout.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
-            self._layout.check_all_used(paths)
-        return self._place_state(tree)
-
-    def _place_dataset(self, tree: Any) -> Any:
-        """A dataset the Trainer keeps on the devices: whole on every device of the
-        compute mesh, where state lives whole (replicas of one device), else replicated.
-        Split like state (FSDP over a replica's devices), every step's row gather would
-        all-gather the whole dataset: Trainer.fit ran at 0.42x strategy.run at
-        devices_per_replica=8 that way."""
-        if not self._inner_axes:
-            return self._place_state(tree)
-        shardings = jax.tree.map(lambda _: self._replicated, tree)
-        return jax.device_put(jax.tree.map(_unaliased, tree, shardings), shardings)
-
-    def _place_state(self, tree: Any) -> Any:
-        """``put_replicated`` without the check that every layout rule matches (for
-        arrays the framework keeps like state, e.g. a dataset on the devices)."""
-        shardings = self.state_shardings(tree)
-        return jax.device_put(jax.tree.map(_unaliased, tree, shardings), shardings)
+        self._placement.check_rules_used(tree)
+        return self._placement.place_state(tree)
 
     def state_shardings(self, tree: Any) -> Any:
         """The pytree of :meth:`state_sharding` for each leaf of ``tree`` (by shape and
@@ -386,7 +270,7 @@ class Strategy(abc.ABC):
         context.require_cross_replica(self, "memory_analysis")
         args, kwargs, donate = _checks.check_run_arguments(fn, args, kwargs, donate_argnums)
         fn, args, kwargs = self._prepare_call(fn, tuple(args), kwargs or {})
-        placed, kw = self._place_abstract((args, kwargs))
+        placed, kw = self._placement.place_abstract((args, kwargs))
         m = self._compiler.compile(fn, placed, kw, donate).memory_analysis()
         parts = {
             "argument_bytes": int(m.argument_size_in_bytes),
@@ -411,68 +295,9 @@ class Strategy(abc.ABC):
         """The state the Trainer's evaluation and prediction steps receive."""
         return state
 
-    def _place_abstract(self, tree: Any) -> Any:
-        """``tree`` with each ``jax.ShapeDtypeStruct`` that has no sharding given the
-        one ``put_replicated`` would give it (per-replica leaves keep theirs)."""
-
-        def place(path: Any, x: Any) -> Any:
-            if isinstance(x, jax.ShapeDtypeStruct) and x.sharding is None:
-                sharding = self.state_sharding(tuple(x.shape), _layout.path_str(path))
-                return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding)
-            return x
-
-        return jax.tree_util.tree_map_with_path(place, tree)
-
     def batch_sharding(self, rows: int) -> NamedSharding:
-        """Where a global batch of ``rows`` rows lives: replica ``i``'s rows on replica
-        ``i``, split over its devices when they divide evenly (else whole on each); whole
-        over a model axis of the layout (``"tensor"``, ``"stage"``: each of its devices
-        computes a part of the same rows).
-
-        Raises:
-          ValueError: a replica spans processes and its rows do not divide over its
-            devices (each process feeds only its own devices' rows).
-        """
-        k = math.prod(self._mesh.shape[a] for a in self._row_axes)
-        if k == 1 or (rows // self.num_replicas_in_sync) % k == 0:
-            return self._split
-        if self._spans_processes:
-            raise ValueError(
-                f"A replica spans several processes, so its rows split {k} ways over its "
-                f"devices (axes {list(self._row_axes)}): the rows per replica "
-                f"({rows} // {self.num_replicas_in_sync} = {rows // self.num_replicas_in_sync}) "
-                f"must be divisible by {k}. Use a global batch size divisible by "
-                f"{k * self.num_replicas_in_sync}."
-            )
-        return self._stacked
-
-    def _batch_shardings(
-        self, leaves: Sequence[Any], treedef: Any, rows: int, layout: bool = True
-    ) -> list[Any]:
-        """One sharding per leaf of a global batch of ``rows`` rows (``batch_sharding``,
-        or with ``layout`` the leaf's ``batch_layout`` rule)."""
-        base = self.batch_sharding(rows)
-        if self._batch_layout is None or not layout:
-            return [base] * len(leaves)
-        paths = [
-            _layout.path_str(p)
-            for p, _ in jax.tree_util.tree_flatten_with_path(treedef.unflatten(leaves))[0]
-        ]
-        shapes = [tuple(np.shape(x)) for x in leaves]
-        return self._batch_layout.shardings(paths, shapes, rows, base)
-
-    def _constrain_batch(self, batch: Any) -> Any:
-        """Inside a replica's step: its batch laid out by ``batch_layout`` (for batches
-        gathered inside the step from a dataset kept on the devices)."""
-        if self._batch_layout is None:
-            return batch
-        rules = self._batch_layout
-
-        def one(path: Any, x: Any) -> Any:
-            spec = rules.spec_inside(_layout.path_str(path), tuple(x.shape))
-            return x if spec is None else jax.lax.with_sharding_constraint(x, spec)
-
-        return jax.tree_util.tree_map_with_path(one, batch)
+        """Where a global batch of ``rows`` rows lives (:meth:`ReplicaLayout.batch_sharding`)."""
+        return self._placement.batch_sharding(rows)
 
     def distribute_batch(self, batch: Any) -> PerReplica:
         """Splits one global batch (a pytree of arrays) across the replicas, in order.
@@ -485,7 +310,7 @@ class Strategy(abc.ABC):
             treedef = jax.tree.structure(batch)
             rows = batch_size(leaves, treedef)
             per_replica_size(rows, self.num_replicas_in_sync)
-            shardings = self._batch_shardings(leaves, treedef, rows)
+            shardings = self._placement.batch_shardings(leaves, treedef, rows)
             abstract = [
                 jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
                 for x, s in zip(leaves, shardings, strict=True)
@@ -592,7 +417,7 @@ class Strategy(abc.ABC):
                     )(a),
                     x.value,
                 )
-            if self._is_mirrored(x):
+            if self._placement.is_mirrored(x):
                 a = xr.component_axis(axis, x, False, "reduce")
                 return xr.mirrored_reducer(op, a, n, x.sharding)(x)
             if op is ReduceOp.SUM and n > 1:
@@ -608,19 +433,6 @@ class Strategy(abc.ABC):
             return x if a is None else jnp.mean(x, a) if op is ReduceOp.MEAN else jnp.sum(x, a)
 
         return jax.tree.map(one, value, is_leaf=_is_per_replica)
-
-    def _is_mirrored(self, x: Any) -> bool:
-        """Whether ``x`` is an array held identically by every replica (where state lives)."""
-        if not isinstance(x, jax.Array):
-            return False
-        if self._inner_axes:  # any layout inside the replicas, none across them
-            s = x.sharding
-            return (
-                isinstance(s, NamedSharding)
-                and s.mesh == self._mesh
-                and not set(self._replica_axes) & set(jax.tree.leaves(tuple(s.spec)))
-            )
-        return x.sharding.is_equivalent_to(self.state_sharding(x.shape), x.ndim)
 
     def _check_per_replica_devices(self, value: PerReplica) -> None:
         _checks.check_per_replica(self, value, jax.tree.leaves(value.value))
@@ -664,7 +476,7 @@ class Strategy(abc.ABC):
         all of it; of a distributed batch, each process gets the rows it fed.
         """
         context.require_cross_replica(self, "experimental_local_results")
-        local = [devices for _, devices in self._local_replicas()]
+        local = [devices for _, devices in self._placement.local_replicas()]
 
         def component(x: Any, devices: tuple[jax.Device, ...]) -> Any:
             if not isinstance(x, PerReplica):
@@ -704,7 +516,7 @@ class Strategy(abc.ABC):
           TypeError: a leaf that cannot go to a device (a string or object array).
         """
         n = self.num_replicas_in_sync
-        local = self._local_replicas()
+        local = self._placement.local_replicas()
         values = [value_fn(ValueContext(i, n)) for i, _ in local]
         per_value = _checks.check_replica_values([i for i, _ in local], values)
         leaves0, treedef = jax.tree.flatten(values[0])

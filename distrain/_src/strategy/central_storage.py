@@ -31,14 +31,14 @@ class CentralStorageStrategy(Strategy):
         compute_devices: Sequence[DeviceSpec] | None = None,
         parameter_device: DeviceSpec | None = None,
     ) -> None:
-        super().__init__(parse_devices(compute_devices))
         if parameter_device is None:
             self.parameter_device = jax.local_devices(backend="cpu")[0]
         else:
             self.parameter_device = parse_device(parameter_device, jax.devices() + _cpus())
+        super().__init__(parse_devices(compute_devices), state_device=self.parameter_device)
 
     def state_sharding(self, shape: tuple[int, ...], path: str = "") -> jax.sharding.Sharding:
-        return jax.sharding.SingleDeviceSharding(self.parameter_device)
+        return self._placement.state_sharding(shape, path)
 
 
 def _cpus() -> list[jax.Device]:

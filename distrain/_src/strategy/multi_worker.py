@@ -122,11 +122,11 @@ class MultiWorkerMirroredStrategy(Strategy):
             logical_axis_rules=logical_axis_rules,
             batch_layout=batch_layout,
             min_shard_bytes=min_shard_bytes,
+            shard_state=shard_state,
         )
-        self._set_shard_state(shard_state, min_shard_bytes)
 
     def state_sharding(self, shape: tuple[int, ...], path: str = "") -> jax.sharding.Sharding:
-        return self._data_parallel_sharding(shape, path)
+        return self._placement.state_sharding(shape, path)
 
     @property
     def cluster_resolver(self) -> ClusterResolver:

@@ -23,7 +23,7 @@ class OneDeviceStrategy(Strategy):
         super().__init__([parse_device(device)])
 
     def state_sharding(self, shape: tuple[int, ...], path: str = "") -> jax.sharding.Sharding:
-        return self._replicated
+        return self._placement.state_sharding(shape, path)
 
 
 class _DefaultStrategy(Strategy):
@@ -33,7 +33,7 @@ class _DefaultStrategy(Strategy):
         super().__init__([jax.devices()[0]])
 
     def state_sharding(self, shape: tuple[int, ...], path: str = "") -> jax.sharding.Sharding:
-        return self._replicated
+        return self._placement.state_sharding(shape, path)
 
     def scope(self) -> AbstractContextManager[Strategy]:
         # Entering the default scope changes nothing: it is already current.

@@ -257,7 +257,7 @@ class TPUStrategy(Strategy):
         self._set_shard_state(shard_state, min_shard_bytes)
 
     def state_sharding(self, shape: tuple[int, ...], path: str = "") -> jax.sharding.Sharding:
-        return self._data_parallel_sharding(shape, path)
+        return self._placement.state_sharding(shape, path)
 
     @property
     def cluster_resolver(self) -> ClusterResolver:
@@ -307,7 +307,7 @@ class TPUStrategy(Strategy):
                 "partition_dimensions must have one positive int per dimension of the tensor "
                 f"(shape {shape}). Received: {dims!r}."
             )
-        return self._constrain(tensor, split_spec(dims, self._inner_axes), "split")
+        return self._constrain(tensor, split_spec(dims, self._placement.inner_axes), "split")
 
     def experimental_replicate_to_logical_devices(self, tensor: jax.Array) -> jax.Array:
         """Inside ``run``: ``tensor`` whole on every device of the replica.
@@ -335,10 +335,10 @@ class TPUStrategy(Strategy):
         )
 
     def _constrain(self, tensor: jax.Array, spec: PartitionSpec, what: str) -> jax.Array:
-        if not self._inner_axes:
+        if not self._placement.inner_axes:
             return tensor  # one device per replica: split and whole are the same
         mesh = jax.sharding.get_abstract_mesh()
-        if mesh.empty or not set(self._inner_axes) <= set(mesh.axis_names):
+        if mesh.empty or not set(self._placement.inner_axes) <= set(mesh.axis_names):
             raise RuntimeError(
                 f"experimental_{what}_to_logical_devices lays a value out over the devices of "
                 "a replica, so it runs inside the replica function: call it in the function "

@@ -246,7 +246,7 @@ def trace_shapes(strategy: Strategy, fn: Callable[..., Any], args: tuple[Any, ..
     n = strategy.num_replicas_in_sync
     fn, args, _ = strategy._prepare_call(fn, tuple(args), {})
     # Replica groups (DiLoCo's islands): a row per group; collectives inside the group.
-    groups = {a: strategy.mesh.shape[a] for a in strategy._group_axes}
+    groups = {a: strategy.mesh.shape[a] for a in strategy.replica_layout.group_axes}
     per_group = n // math.prod(groups.values())
 
     def local(x: Any) -> Any:
@@ -269,7 +269,7 @@ def trace_shapes(strategy: Strategy, fn: Callable[..., Any], args: tuple[Any, ..
     with (
         context._enter_scope(strategy),
         context._enter_replica(ctx),
-        strategy._replica_mesh_context(),
+        strategy.replica_layout.mesh_context(),
     ):
         _, shapes = jax.make_jaxpr(fn, axis_env=axis_env, return_shape=True)(*local_args)
     check_no_leaks(fn)

@@ -65,7 +65,7 @@ class Resident:
     def __init__(self, strategy: Strategy, pipeline: ArrayPipeline) -> None:
         self.pipeline = pipeline
         self.strategy = strategy
-        self.arrays = strategy._place_dataset(check_placeable(flat_arrays(pipeline)))
+        self.arrays = strategy.replica_layout.place_dataset(check_placeable(flat_arrays(pipeline)))
 
     def index_pipeline(self) -> ArrayPipeline:
         """The twin pipeline over row numbers: same batches, as row ids."""
@@ -98,7 +98,7 @@ class Resident:
         if key not in per_strategy:
             # Weakly: a strong reference from the cached step would keep the strategy
             # (the cache's key) and its compiled programs alive for good.
-            constrain = weakref.WeakMethod(self.strategy._constrain_batch)
+            constrain = weakref.WeakMethod(self.strategy.replica_layout.constrain_batch)
             per_strategy[key] = _gathering(train_step, key[1], constrain)
         return per_strategy[key]
 

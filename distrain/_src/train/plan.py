@@ -149,7 +149,6 @@ def abstract_state(cfg: Any) -> SimpleNamespace:
     """
     import jax
 
-    from distrain._src.strategy.layout import path_str
     from distrain._src.train.optimizer import build_optimizer
     from distrain._src.train.run import (
         _check_call,
@@ -177,10 +176,8 @@ def abstract_state(cfg: Any) -> SimpleNamespace:
         params,
         jax.random.PRNGKey(cfg.seed + 1),
     )
-    placed = strategy._place_abstract(state)
-    if strategy._layout is not None and strategy._layout.has_rules:
-        paths = [path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
-        strategy._layout.check_all_used(paths)
+    placed = strategy.replica_layout.place_abstract(state)
+    strategy.replica_layout.check_rules_used(state)
     return SimpleNamespace(
         strategy=strategy, state=state, placed=placed, apply_fn=found["apply_fn"]
     )
