@@ -42,7 +42,7 @@ Params = Any
 ParamsOf = Callable[[Any], Params]
 WithParams = Callable[[Any, Params], Any]
 Gather = Callable[[PyTree], PyTree]
-Mean = Callable[[jax.Array], jax.Array]
+Mean = Callable[[PyTree], PyTree]
 
 
 @struct.dataclass
@@ -111,9 +111,9 @@ def pseudo_gradient(
       gather: applied to the pytree of encodings (:class:`codecs.Encoded` leaves with
         the island axis) before decoding; identity by default. A strategy passes the
         all-gather over its island axis (e.g. a sharding constraint to replicated).
-      mean: with ``"float32"``, the mean over the island axis of one stacked leaf
-        (default ``jnp.mean(x, 0)``); a strategy whose replicas hold one island each
-        passes an all-reduce over its island axis.
+      mean: with ``"float32"``, the mean over the island axis of the stacked
+        differences (a pytree; default ``jnp.mean(x, 0)`` per leaf); a strategy whose
+        replicas hold one island each passes an all-reduce over its island axis.
 
     Returns:
       The pseudo-gradient, ``global_params``' structure, float32 leaves (wider if the
@@ -130,7 +130,9 @@ def pseudo_gradient(
 
     deltas = jax.tree.map(delta, global_params, island_params)
     if outer_dtype == "float32":
-        return jax.tree.map(mean or (lambda x: jnp.mean(x, axis=0)), deltas)
+        if mean is not None:
+            return mean(deltas)
+        return jax.tree.map(lambda x: jnp.mean(x, axis=0), deltas)
     leaves, treedef = jax.tree.flatten(deltas)
     encoded = [jax.vmap(partial(encode, outer_dtype=outer_dtype))(x) for x in leaves]
     if gather is not None:

@@ -328,12 +328,11 @@ class DiLoCoStrategy(Strategy):
     def _after_step(self, state: DiLoCoState, new_inner: Any) -> DiLoCoState:
         """Inside a replica: count the step, run the outer step it calls for."""
         alone = self._islands == 1
-        if alone:
-            mean: Any = lambda x: x[0]  # noqa: E731 - one island: nothing to exchange
+        if alone:  # nothing to exchange
+            mean: Any = functools.partial(jax.tree.map, lambda x: x[0])
             gather: Any = None
         else:
-            mean = lambda x: jax.lax.pmean(x[0], ISLAND_AXIS)  # noqa: E731
-            gather = functools.partial(jax.tree.map, _gather_islands)
+            mean, gather = _mean_over_islands, _gather_islands
         stacked = state.replace(inner=jax.tree.map(lambda x: x[None], new_inner))
         stacked = outer.after_inner_step(self._config, stacked, gather=gather, mean=mean)
         return stacked.replace(inner=jax.tree.map(lambda x: x[0], stacked.inner))
@@ -379,15 +378,42 @@ class DiLoCoStrategy(Strategy):
         return super().experimental_local_results(self._rows_per_replica(value))
 
 
-def _gather_islands(x: jax.Array) -> jax.Array:
-    """All islands' payloads (island axis first). Floating payloads under 32 bits travel
-    as unsigned ints of their width: XLA:CPU widens a bfloat16 all-gather to float32
-    (measured: twice the bytes of the codec), an integer one it sends as is."""
-    if jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4:
-        bits = jnp.dtype(f"uint{8 * x.dtype.itemsize}")
-        out = jax.lax.all_gather(jax.lax.bitcast_convert_type(x, bits), ISLAND_AXIS, tiled=True)
-        return jax.lax.bitcast_convert_type(out, x.dtype)
-    return jax.lax.all_gather(x, ISLAND_AXIS, axis=0, tiled=True)
+# An outer step exchanges one buffer, in one collective: XLA:CPU may run independent
+# collectives of a program in a different order on different devices, and with several
+# of them the cross-island ones deadlocked (the LM of benchmarks/islands.py, 4 islands:
+# "Expected 4 threads to join the rendezvous, but only 2 of them arrived").
+
+
+def _mean_over_islands(deltas: Any) -> Any:
+    """The mean over islands of this island's differences (island axis of 1 on every
+    leaf): one all-reduce of their concatenation."""
+    leaves, treedef = jax.tree.flatten(deltas)
+    flat = jnp.concatenate([x[0].ravel() for x in leaves])
+    mean = jax.lax.pmean(flat, ISLAND_AXIS)
+    out, start = [], 0
+    for x in leaves:
+        size = x[0].size
+        out.append(mean[start : start + size].reshape(x.shape[1:]).astype(x.dtype))
+        start += size
+    return jax.tree.unflatten(treedef, out)
+
+
+def _gather_islands(encoded: Any) -> Any:
+    """Every island's encodings (island axis first), from this island's (an island axis
+    of 1): their bytes concatenated and all-gathered at once. As bytes, a bfloat16
+    payload moves 2 bytes a value (XLA:CPU widens a bfloat16 all-gather to float32)."""
+    leaves, treedef = jax.tree.flatten(encoded)
+    parts = [jax.lax.bitcast_convert_type(x[0].ravel(), jnp.uint8).ravel() for x in leaves]
+    gathered = jax.lax.all_gather(jnp.concatenate(parts), ISLAND_AXIS)  # [islands, bytes]
+    out, start = [], 0
+    for x, part in zip(leaves, parts, strict=True):
+        raw = gathered[:, start : start + part.size]
+        start += part.size
+        width = x.dtype.itemsize
+        raw = raw.reshape(raw.shape[0], -1, width) if width > 1 else raw
+        values = jax.lax.bitcast_convert_type(raw, x.dtype)
+        out.append(values.reshape(raw.shape[0], *x.shape[1:]))
+    return jax.tree.unflatten(treedef, out)
 
 
 def _per_island_results(fn: Callable[..., Any]) -> Callable[..., Any]:
