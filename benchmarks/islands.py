@@ -289,10 +289,8 @@ def communication(recipe: Recipe, islands: int) -> dict[str, Any]:
             islands=islands, sync_every=10, outer_optimizer=NESTEROV(optax), outer_dtype=dtype
         )
         placed = strategy.put_replicated(state)
-        call = strategy._prepare_call(recipe.step, (placed, strategy.distribute_batch(batch)), {})
-        found = collectives(
-            strategy._compiler.compile(*call).as_text(), lambda d: d // per_island, n
-        )
+        compiled = strategy.compile(recipe.step, (placed, strategy.distribute_batch(batch)))
+        found = collectives(compiled.as_text(), lambda d: d // per_island, n)
         out["inner_cross_island_collectives"][dtype] = sum(
             c.crosses for c in found if not c.in_branch
         )
@@ -301,9 +299,7 @@ def communication(recipe: Recipe, islands: int) -> dict[str, Any]:
         )
     mirrored = dt.MirroredStrategy()
     placed = mirrored.put_replicated(state)
-    compiled = mirrored._compiler.compile(
-        recipe.step, (placed, mirrored.distribute_batch(batch)), {}
-    )
+    compiled = mirrored.compile(recipe.step, (placed, mirrored.distribute_batch(batch)))
     out["dp_bytes_per_step"] = sum(
         c.sent_per_device for c in collectives(compiled.as_text(), lambda d: 0, n)
     )

@@ -110,3 +110,37 @@ def _reach(graph: dict[str, set[str]], package: str) -> set[str]:
 if __name__ == "__main__":
     for c in cycles(imports()):
         print(sorted(c))
+
+
+def _private_strategy_members(path: Path) -> list[str]:
+    """``strategy._x`` (or ``self.strategy._x``, ``self._strategy._x``) in ``path``."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        if node.attr.startswith("__"):
+            continue
+        owner = node.value
+        name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", None)
+        if name in ("strategy", "_strategy"):
+            found.append(f"{path.relative_to(SRC)}:{node.lineno}: .{node.attr}")
+    return found
+
+
+def test_no_private_strategy_member_is_used_outside_the_strategy_package():
+    """train/, data/, checkpoint/, ... talk to a strategy through its public surface
+    (its ReplicaLayout for placement); only strategy/ reads a strategy's private members."""
+    used = [
+        hit
+        for path in sorted(SRC.rglob("*.py"))
+        if "strategy" not in path.relative_to(SRC).parts[:1]
+        for hit in _private_strategy_members(path)
+    ]
+    assert not used, used
+
+
+def test_the_strategy_base_stays_small():
+    """Placement is ReplicaLayout's (replica_layout.py); the compiler, the cross-replica
+    kernels and the checks have their modules: base.py is the tf.distribute surface."""
+    lines = len((SRC / "strategy" / "base.py").read_text().splitlines())
+    assert lines < 450, lines

@@ -313,8 +313,7 @@ def test_the_inner_step_has_no_collective_across_islands(devices):
     rng = np.random.default_rng(5)
     state = strategy.put_replicated(dt.TrainState.create(params=_params(rng), tx=optax.sgd(0.1)))
     batch = strategy.distribute_batch(_data(rng, 1)[0])
-    call = strategy._prepare_call(train_step, (state, batch), {})
-    hlo = strategy._compiler.compile(*call).as_text()
+    hlo = strategy.compile(train_step, (state, batch)).as_text()
     found = collectives(hlo, island_of=lambda d: d // 4)
     inner = [c for c in found if not c.in_branch]
     assert inner and all(not c.crosses for c in inner)
@@ -455,10 +454,8 @@ def test_quantized_outer_gradients_cross_islands_at_their_width(devices, outer_d
     rng = np.random.default_rng(8)
     params = _params(rng)
     state = strategy.put_replicated(dt.TrainState.create(params=params, tx=optax.sgd(0.1)))
-    call = strategy._prepare_call(
-        train_step, (state, strategy.distribute_batch(_data(rng, 1)[0])), {}
-    )
-    found = collectives(strategy._compiler.compile(*call).as_text(), lambda d: d // 2)
+    batch = strategy.distribute_batch(_data(rng, 1)[0])
+    found = collectives(strategy.compile(train_step, (state, batch)).as_text(), lambda d: d // 2)
     gathered = [c for c in found if c.crosses]
     assert len(gathered) == 1 and gathered[0].op == "all-gather" and gathered[0].in_branch
     sizes = [x.size for x in jax.tree.leaves(params)]

@@ -305,7 +305,7 @@ class DiLoCoStrategy(Strategy):
             # The Trainer's fused steps already call the inner step once per batch.
             runs_inner = inspect.unwrap(fn, stop=lambda f: getattr(f, "_islands_of", None) is self)
             aware = getattr(runs_inner, "_islands_of", None) is self
-            step = self._steps[fn] = _per_island_results(fn if aware else _inner_step(self, fn))
+            step = self._steps[fn] = _per_island_results(fn if aware else self._inner_step(fn))
         args, kwargs = jax.tree.map(
             lambda x: x.replace(inner=PerGroup(x.inner)) if _is_state(x) else x,
             (args, kwargs),
@@ -313,17 +313,49 @@ class DiLoCoStrategy(Strategy):
         )
         return step, args, kwargs
 
-    def _train_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
+    def training_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
         """The Trainer's step: the user's as an inner step, once per batch (one object
         per step, so the Trainer's compiled programs are reused)."""
         inner = self._train_steps.get(step)
         if inner is None:
-            inner = self._train_steps[step] = _inner_step(self, step)
+            inner = self._train_steps[step] = self._inner_step(step)
         return inner
 
-    def _eval_state(self, state: Any) -> Any:
+    def evaluation_state(self, state: Any) -> Any:
         """Evaluation and prediction see the global model (:meth:`global_view`)."""
         return self.global_view(state) if isinstance(state, DiLoCoState) else state
+
+    def _inner_step(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """``fn`` as an inner step: the island's state in, the outer logic after (inside a
+        replica, the island's state without its island axis)."""
+
+        def step(*args: Any, **kwargs: Any) -> Any:
+            (state,) = [
+                x for x in jax.tree.leaves((args, kwargs), is_leaf=_is_state) if _is_state(x)
+            ]
+            user_args, user_kwargs = jax.tree.map(
+                lambda x: x.inner if _is_state(x) else x, (args, kwargs), is_leaf=_is_state
+            )
+            out = fn(*user_args, **user_kwargs)
+            want = jax.tree.structure(state.inner)
+            if jax.tree.structure(out) == want:  # type: ignore[operator]
+                return self._after_step(state, out)
+            if isinstance(out, tuple | list):
+                for i, x in enumerate(out):
+                    if jax.tree.structure(x) == want:  # type: ignore[operator]
+                        new = self._after_step(state, x)
+                        return type(out)([*out[:i], new, *out[i + 1 :]])
+            raise TypeError(
+                f"`{_checks.fn_name(fn)}` received a DiLoCoState's island state but returned no "
+                "state of its structure (expected it alone or in a tuple, e.g. (state, loss)). "
+                "An inner step returns the new state; to evaluate, pass "
+                "strategy.global_view(state) instead of the DiLoCoState."
+            )
+
+        step.__name__ = step.__qualname__ = _checks.fn_name(fn)
+        step.__wrapped__ = fn  # type: ignore[attr-defined]
+        step._islands_of = self  # type: ignore[attr-defined]
+        return step
 
     def _after_step(self, state: DiLoCoState, new_inner: Any) -> DiLoCoState:
         """Inside a replica: count the step, run the outer step it calls for."""
@@ -431,37 +463,6 @@ def _per_island_results(fn: Callable[..., Any]) -> Callable[..., Any]:
     call.__name__ = call.__qualname__ = _checks.fn_name(fn)
     call.__wrapped__ = fn  # type: ignore[attr-defined]
     return call
-
-
-def _inner_step(strategy: DiLoCoStrategy, fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` as an inner step: the island's state in, the outer logic after (inside a
-    replica, the island's state without its island axis)."""
-
-    def step(*args: Any, **kwargs: Any) -> Any:
-        (state,) = [x for x in jax.tree.leaves((args, kwargs), is_leaf=_is_state) if _is_state(x)]
-        user_args, user_kwargs = jax.tree.map(
-            lambda x: x.inner if _is_state(x) else x, (args, kwargs), is_leaf=_is_state
-        )
-        out = fn(*user_args, **user_kwargs)
-        want = jax.tree.structure(state.inner)
-        if jax.tree.structure(out) == want:  # type: ignore[operator]
-            return strategy._after_step(state, out)
-        if isinstance(out, tuple | list):
-            for i, x in enumerate(out):
-                if jax.tree.structure(x) == want:  # type: ignore[operator]
-                    new = strategy._after_step(state, x)
-                    return type(out)([*out[:i], new, *out[i + 1 :]])
-        raise TypeError(
-            f"`{_checks.fn_name(fn)}` received a DiLoCoState's island state but returned no "
-            "state of its structure (expected it alone or in a tuple, e.g. (state, loss)). "
-            "An inner step returns the new state; to evaluate, pass "
-            "strategy.global_view(state) instead of the DiLoCoState."
-        )
-
-    step.__name__ = step.__qualname__ = _checks.fn_name(fn)
-    step.__wrapped__ = fn  # type: ignore[attr-defined]
-    step._islands_of = strategy  # type: ignore[attr-defined]
-    return step
 
 
 def _check_islands(islands: Any, devices: Sequence[jax.Device], per_replica: Any) -> None:

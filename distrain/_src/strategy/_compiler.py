@@ -153,7 +153,7 @@ class ReplicaCompiler:
             _checks.diagnose_per_replica(self._strategy, args, kwargs)  # the clearer error
             raise
         self._in_flight.append(done)
-        return self._strategy._from_compute(out) if self._moves else out
+        return self._home(out) if self._moves else out
 
     def compile(self, fn: Callable[..., Any], args: tuple, kwargs: dict, donate: tuple = ()) -> Any:
         """The compiled program ``run(fn, args, kwargs, donate)`` would execute, not run."""
@@ -163,6 +163,50 @@ class ReplicaCompiler:
             arrays = self._to_compute(arrays, treedef, program)
         jitted: Any = program.jitted  # a jax.jit-wrapped function
         return jitted.lower(*arrays).compile()
+
+    def output_shapes(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """One replica's result shapes of ``fn``, traced as ``run`` traces it (the replica
+        context, its axes and the context mesh bound), nothing compiled."""
+        strategy = self._strategy
+        n, axis, mesh = strategy.num_replicas_in_sync, strategy.axis_name, strategy.mesh
+        groups = strategy.replica_layout.group_axes
+        per_group = n // int(np.prod([mesh.shape[a] for a in groups], dtype=int))
+        flat, treedef = jax.tree.flatten((args, kwargs))
+        kinds = _kinds(treedef.unflatten(range(len(flat))))
+
+        def local(i: int, x: Any) -> Any:
+            if not isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
+                return x  # a compile-time constant, as in run
+            shape, kind = tuple(np.shape(x)), kinds.get(i)
+            if kind in ("stacked", "group"):
+                shape = shape[1:]
+            elif kind == "split":
+                shape = (shape[0] // n, *shape[1:])
+            return jax.ShapeDtypeStruct(shape, jnp.result_type(x))
+
+        avals = [local(i, x) for i, x in enumerate(flat)]
+        local_args, local_kwargs = jax.tree.map(
+            lambda x: x.value if _is_distributed(x) else x,
+            treedef.unflatten(avals),
+            is_leaf=_is_distributed,
+        )
+        ctx = ReplicaContext(
+            strategy, axis, strategy.cross_device_ops, num_replicas=per_group if groups else None
+        )
+        axis_env = [*((a, mesh.shape[a]) for a in groups), (axis, per_group)]
+        with (
+            context._enter_scope(strategy),
+            context._enter_replica(ctx),
+            strategy.replica_layout.mesh_context(),
+        ):
+            _, shapes = jax.make_jaxpr(
+                lambda a, k: fn(*a, **k), axis_env=axis_env, return_shape=True
+            )(local_args, local_kwargs)
+        return jax.tree.map(
+            lambda x: x.value if isinstance(x, PerGroup) else x,
+            shapes,
+            is_leaf=lambda x: isinstance(x, PerGroup),
+        )
 
     def _state_off_mesh(self) -> bool:
         """Central storage keeps state off the compute mesh: broadcast inputs move to the
@@ -332,6 +376,17 @@ class ReplicaCompiler:
         global_fn.__name__ = f"replica_{_checks.fn_name(fn)}"
         return global_fn
 
+    def _home(self, tree: Any) -> Any:
+        """Replicated results moved to where state lives (central storage)."""
+        layout = self._strategy.replica_layout
+
+        def home(x: Any) -> Any:
+            if isinstance(x, PerReplica):
+                return x
+            return jax.device_put(x, layout.state_sharding(np.shape(x)))
+
+        return jax.tree.map(home, tree, is_leaf=_is_per_replica)
+
     def _to_compute(self, arrays: list[Any], treedef: Any, program: _Program) -> list[Any]:
         """Broadcast inputs to the compute devices (central storage)."""
         marked = treedef.unflatten(range(program.n_leaves))
@@ -344,7 +399,7 @@ class ReplicaCompiler:
         static = set(program.static_idx)
         positions = [i for i in range(program.n_leaves) if i not in static]
         return [
-            x if i in split else self._strategy._to_compute(x)
+            x if i in split else jax.device_put(x, self._strategy.replica_layout.replicated)
             for i, x in zip(positions, arrays, strict=True)
         ]
 

@@ -9,7 +9,8 @@ that shape, split batches are reshaped to it.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,109 @@ import numpy as np
 from jax.sharding import NamedSharding
 
 from distrain._src.context import ReduceOp
+from distrain._src.data.options import ValueContext
+from distrain._src.strategy import _checks
+from distrain._src.values import PerReplica
+
+if TYPE_CHECKING:
+    from distrain._src.strategy.base import Strategy
+    from distrain._src.strategy.replica_layout import ReplicaLayout
+
+
+def _is_per_replica(x: Any) -> bool:
+    return isinstance(x, PerReplica)
+
+
+def reduce_tree(strategy: Strategy, op: ReduceOp, value: Any, axis: int | None) -> Any:
+    """``Strategy.reduce`` of every leaf of ``value`` (see its docstring)."""
+    n = strategy.num_replicas_in_sync
+    replicated = strategy.replica_layout.replicated
+
+    def one(x: Any) -> Any:
+        if isinstance(x, PerReplica):
+            _checks.check_per_replica(strategy, x, jax.tree.leaves(x.value))
+            return jax.tree.map(
+                lambda a: reducer(
+                    op, component_axis(axis, a, x.stacked, "reduce"), x.stacked, n, replicated
+                )(a),
+                x.value,
+            )
+        if strategy.replica_layout.is_mirrored(x):
+            a = component_axis(axis, x, False, "reduce")
+            return mirrored_reducer(op, a, n, x.sharding)(x)
+        if op is ReduceOp.SUM and n > 1:
+            raise ValueError(
+                f"Only results of `strategy.run` can be reduced with SUM over {n} "
+                f"replicas. Received a value of type {type(x).__name__}: neither a "
+                "dt.PerReplica nor an array this strategy placed on its replicas (it "
+                f"would count one value {n} times). Pass what `strategy.run` returned, or "
+                "use MEAN."
+            )
+        a = component_axis(axis, x, False, "reduce")
+        x = jnp.asarray(x)
+        return x if a is None else jnp.mean(x, a) if op is ReduceOp.MEAN else jnp.sum(x, a)
+
+    return jax.tree.map(one, value, is_leaf=_is_per_replica)
+
+
+def gather_tree(strategy: Strategy, value: Any, axis: int) -> Any:
+    """``Strategy.gather`` of every leaf of ``value`` (see its docstring)."""
+    n = strategy.num_replicas_in_sync
+    replicated = strategy.replica_layout.replicated
+
+    def one(x: Any) -> Any:
+        if isinstance(x, PerReplica):
+            _checks.check_per_replica(strategy, x, jax.tree.leaves(x.value))
+            return jax.tree.map(
+                lambda a: gatherer(
+                    component_axis(axis, a, x.stacked, "gather", scalar_ok=True),
+                    x.stacked,
+                    n,
+                    replicated,
+                )(a),
+                x.value,
+            )
+        x = jnp.asarray(x)
+        a = component_axis(axis, x, False, "gather")
+        return jnp.concatenate([x] * n, a)
+
+    return jax.tree.map(one, value, is_leaf=_is_per_replica)
+
+
+def local_components(
+    local: Sequence[tuple[int, tuple[jax.Device, ...]]], value: Any
+) -> tuple[Any, ...]:
+    """``value`` with each per-replica leaf replaced by each local replica's component."""
+
+    def component(x: Any, devices: tuple[jax.Device, ...]) -> Any:
+        if not isinstance(x, PerReplica):
+            return x
+        return jax.tree.map(lambda a: component_on(a, devices, x.stacked), x.value)
+
+    return tuple(
+        jax.tree.map(functools.partial(component, devices=d), value, is_leaf=_is_per_replica)
+        for _, d in local
+    )
+
+
+def stacked_values(layout: ReplicaLayout, n: int, value_fn: Callable[[Any], Any]) -> Any:
+    """A stacked ``PerReplica`` of ``value_fn(ctx)`` for each local replica
+    (``Strategy.experimental_distribute_values_from_function``)."""
+    local = layout.local_replicas()
+    values = [value_fn(ValueContext(i, n)) for i, _ in local]
+    per_value = _checks.check_replica_values([i for i, _ in local], values)
+    leaves0, treedef = jax.tree.flatten(values[0])
+    out = []
+    for j, leaf in enumerate(leaves0):
+        shards = [
+            jax.device_put(np.asarray(per_value[r][j])[None], d)
+            for r, (_, devices) in enumerate(local)
+            for d in devices
+        ]
+        shape = (n, *np.shape(leaf))
+        out.append(jax.make_array_from_single_device_arrays(shape, layout.stacked, shards))
+    stacked = jax.tree.unflatten(treedef, out)
+    return jax.tree.map(lambda x: PerReplica(x, n, stacked=True), stacked)
 
 
 def component_on(x: jax.Array, devices: tuple[jax.Device, ...], stacked: bool) -> jax.Array:

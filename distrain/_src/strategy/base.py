@@ -12,25 +12,19 @@ Who owns what (one concept per module):
   composes one (``strategy.replica_layout``).
 * ``_compiler.ReplicaCompiler`` compiles and dispatches replica functions (``run``); a
   strategy owns one and delegates to it.
-* ``_cross_replica`` holds the reduce / gather kernels; ``_checks`` the argument and
-  trace-time checks; ``_replication`` which outputs are identical on every replica.
-* ``distrain._src.data`` turns datasets into per-replica batches (``distributed.py``).
-
-A strategy whose state lives outside the compute mesh (central storage) gets its
-broadcast inputs moved to the mesh and its replicated results moved back by the
-compiler; nothing else changes. The Trainer only talks to this interface.
+* ``_cross_replica`` holds reduce / gather; ``_checks`` the argument and trace-time
+  checks; ``_replication`` which outputs are identical on every replica;
+  ``distrain._src.data`` turns datasets into per-replica batches.
 """
 
 from __future__ import annotations
 
 import abc
-import functools
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
@@ -38,9 +32,7 @@ from jax.sharding import PartitionSpec as P
 from distrain._src import context
 from distrain._src.context import ReduceOp
 from distrain._src.cross_device_ops import CrossDeviceOps, resolve
-from distrain._src.data.batches import batch_size
 from distrain._src.data.distributed import DistributedDataset, from_function
-from distrain._src.data.options import ValueContext, per_replica_size
 from distrain._src.data.placement import shard_global_batch
 from distrain._src.strategy import _checks, replica_mesh, sharded
 from distrain._src.strategy import _cross_replica as xr
@@ -51,10 +43,6 @@ from distrain._src.strategy.replica_layout import REPLICA_AXIS, ReplicaLayout
 from distrain._src.values import PerReplica
 
 __all__ = ["Strategy", "check_placeable"]
-
-
-def _is_per_replica(x: Any) -> bool:
-    return isinstance(x, PerReplica)
 
 
 class Strategy(abc.ABC):
@@ -69,26 +57,9 @@ class Strategy(abc.ABC):
       cross_device_ops: how replicas sum values (default :class:`dt.AllReduce`).
       max_in_flight: how many ``run`` calls may be queued before the host waits for the
         oldest (bounded: an unbounded queue of collectives deadlocks on CPU).
-      devices_per_replica: the devices of one replica (``replica_mesh.py``): an int
-        ``k`` (one inner axis ``"model"``), ``"process"``, or named inner axes such as
-        ``{"fsdp": 4, "tensor": 2}``; the mesh is ``("replica", *inner axes)``, state
-        and batches split over a replica's devices by XLA inside every step. 1
-        (default): one replica per device.
-      layout: with inner axes, rules ``{path pattern: PartitionSpec}`` or a pytree of
-        specs (``layout.py``); other leaves are split FSDP-style.
-      logical_axis_rules: ``{logical name: inner axis or None}`` for specs written in
-        logical names (flax's ``nnx.with_partitioning``).
-      batch_layout: with inner axes, ``{leaf path pattern: PartitionSpec}`` splitting
-        other dimensions of batch leaves, e.g. ``{"tokens": P(None, "context")}``
-        (``batch_layout.py``).
-      min_shard_bytes: with inner axes, FSDP leaves below this size stay replicated.
-      shard_state: data-parallel strategies' FSDP storage between steps
-        (``sharded.py``).
-      replica_groups: ``(axis name, g)``: ``g`` equal groups of replicas on an outer
-        mesh axis, ``(name, axis_name, *inner)`` (DiLoCo's islands,
-        ``islands/strategy.py``). Batches split over every replica, group by group;
-        inside a step collectives stay in the replica's group.
-      state_device: state lives whole on this device (central storage).
+      devices_per_replica, layout, logical_axis_rules, batch_layout, min_shard_bytes,
+        shard_state, replica_groups, state_device: where values live, as
+        :class:`ReplicaLayout` takes them (``strategy.replica_layout``).
     """
 
     axis_name = REPLICA_AXIS
@@ -227,8 +198,7 @@ class Strategy(abc.ABC):
         return self._placement.place_state(tree)
 
     def state_shardings(self, tree: Any) -> Any:
-        """The pytree of :meth:`state_sharding` for each leaf of ``tree`` (by shape and
-        key path)."""
+        """:meth:`state_sharding` for each leaf of ``tree`` (by shape and key path)."""
         return jax.tree_util.tree_map_with_path(
             lambda path, x: self.state_sharding(np.shape(x), _layout.path_str(path)), tree
         )
@@ -248,12 +218,10 @@ class Strategy(abc.ABC):
         compiled memory analysis: ``argument_bytes`` (inputs: state, batch),
         ``output_bytes``, ``temp_bytes`` (activations, gradients, workspace),
         ``alias_bytes`` (outputs that reuse donated inputs) and ``peak_bytes`` =
-        argument + output + temp - alias: pass the ``donate_argnums`` the step runs with
-        (the Trainer donates the state, ``0``), else the new state counts as a second
-        copy. It does not count what lives outside the
-        program (other arrays the process holds, the input pipeline's prefetched
-        batches, the allocator's fragmentation). XLA:CPU's own
-        ``peak_memory_in_bytes`` leaves temporaries out, hence the sum.
+        argument + output + temp - alias (XLA:CPU's own peak leaves temporaries out):
+        pass the ``donate_argnums`` the step runs with (the Trainer donates the state,
+        ``0``), else the new state counts twice. Not counted: what lives outside the
+        program (other arrays, prefetched batches, the allocator's fragmentation).
 
         The arguments may be abstract (``jax.ShapeDtypeStruct`` trees, e.g. from
         ``jax.eval_shape``): then nothing is allocated, so a model that would not fit
@@ -267,11 +235,7 @@ class Strategy(abc.ABC):
           >>> batch = strategy.distribute_batch(jax.ShapeDtypeStruct((64, 512), jnp.int32))
           >>> strategy.memory_analysis(train_step, args=(abstract, batch))["peak_bytes"]
         """
-        context.require_cross_replica(self, "memory_analysis")
-        args, kwargs, donate = _checks.check_run_arguments(fn, args, kwargs, donate_argnums)
-        fn, args, kwargs = self._prepare_call(fn, tuple(args), kwargs or {})
-        placed, kw = self._placement.place_abstract((args, kwargs))
-        m = self._compiler.compile(fn, placed, kw, donate).memory_analysis()
+        m = self.compile(fn, args, kwargs, donate_argnums=donate_argnums).memory_analysis()
         parts = {
             "argument_bytes": int(m.argument_size_in_bytes),
             "output_bytes": int(m.output_size_in_bytes),
@@ -281,18 +245,63 @@ class Strategy(abc.ABC):
         peak = parts["argument_bytes"] + parts["output_bytes"] + parts["temp_bytes"]
         return {**parts, "peak_bytes": peak - parts["alias_bytes"]}
 
-    # Three hooks for a strategy whose state wraps the user's (DiLoCo's islands); the
+    def compile(
+        self,
+        fn: Callable[..., Any],
+        args: Sequence[Any] = (),
+        kwargs: dict | None = None,
+        *,
+        donate_argnums: int | Sequence[int] = (),
+    ) -> Any:
+        """The compiled XLA program ``run(fn, args, kwargs, donate_argnums=...)`` would
+        execute, not run: a ``jax.stages.Compiled`` (``as_text()`` for its optimized HLO,
+        ``cost_analysis()``, ``memory_analysis()``). Abstract arguments are placed as in
+        :meth:`memory_analysis`.
+
+        Example:
+          >>> hlo = strategy.compile(train_step, args=(state, batch)).as_text()
+        """
+        context.require_cross_replica(self, "compile")
+        args, kwargs, donate = _checks.check_run_arguments(fn, args, kwargs, donate_argnums)
+        fn, args, kwargs = self._prepare_call(fn, tuple(args), kwargs or {})
+        placed, kw = self._placement.place_abstract((args, kwargs))
+        return self._compiler.compile(fn, placed, kw, donate)
+
+    def eval_shape(
+        self, fn: Callable[..., Any], args: Sequence[Any] = (), kwargs: dict | None = None
+    ) -> Any:
+        """The shapes and dtypes of one replica's results of ``run(fn, args, kwargs)``,
+        traced as ``run`` traces it; nothing is compiled or run (``jax.eval_shape``).
+
+        Example:
+          >>> strategy.eval_shape(train_step, args=(state, batch))[1]   # the metrics
+        """
+        context.require_cross_replica(self, "eval_shape")
+        args, kwargs, _ = _checks.check_run_arguments(fn, args, kwargs, ())
+        fn, args, kwargs = self._prepare_call(fn, tuple(args), kwargs or {})
+        return self._compiler.output_shapes(fn, args, kwargs)
+
+    # Hooks for a strategy whose state wraps the user's (DiLoCo's islands): the
     # identity here.
     def _prepare_call(self, fn: Callable[..., Any], args: tuple, kwargs: dict) -> tuple:
         """What the compiler runs for ``run(fn, args, kwargs)``."""
         return fn, args, kwargs
 
-    def _train_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
-        """The step the Trainer calls once per batch inside its fused dispatches."""
+    def training_step(self, step: Callable[..., Any]) -> Callable[..., Any]:
+        """The function a training loop calls once per batch in its replica function
+        (several calls per ``run`` when it fuses steps): ``step`` itself, unless the
+        strategy adds work to every step (DiLoCo: the outer step after every H-th).
+
+        Example:
+          >>> inner = strategy.training_step(train_step)
+          >>> def two_steps(state, b1, b2):
+          ...     return inner(inner(state, b1)[0], b2)
+        """
         return step
 
-    def _eval_state(self, state: Any) -> Any:
-        """The state the Trainer's evaluation and prediction steps receive."""
+    def evaluation_state(self, state: Any) -> Any:
+        """The state that evaluation and prediction steps receive: ``state`` itself,
+        unless the strategy's state wraps the user's (DiLoCo: the global model)."""
         return state
 
     def batch_sharding(self, rows: int) -> NamedSharding:
@@ -305,32 +314,10 @@ class Strategy(abc.ABC):
         A batch of ``jax.ShapeDtypeStruct`` leaves gives an abstract per-replica batch
         (nothing allocated) for :meth:`memory_analysis`.
         """
-        leaves = jax.tree.leaves(batch)
-        if leaves and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
-            treedef = jax.tree.structure(batch)
-            rows = batch_size(leaves, treedef)
-            per_replica_size(rows, self.num_replicas_in_sync)
-            shardings = self._placement.batch_shardings(leaves, treedef, rows)
-            abstract = [
-                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
-                for x, s in zip(leaves, shardings, strict=True)
-            ]
-            return PerReplica(jax.tree.unflatten(treedef, abstract), self.num_replicas_in_sync)
+        abstract = self._placement.abstract_batch(batch)
+        if abstract is not None:
+            return PerReplica(abstract, self.num_replicas_in_sync)
         return shard_global_batch(self, batch)
-
-    def _to_compute(self, x: jax.Array) -> jax.Array:
-        """A broadcast input on the compute mesh (state may live elsewhere)."""
-        return jax.device_put(x, self._replicated)
-
-    def _from_compute(self, tree: Any) -> Any:
-        """Replicated results moved to where state lives (when that is not the mesh)."""
-
-        def home(x: Any) -> Any:
-            if isinstance(x, PerReplica):
-                return x
-            return jax.device_put(x, self.state_sharding(np.shape(x)))
-
-        return jax.tree.map(home, tree, is_leaf=_is_per_replica)
 
     # -------------------------------------------------------------------- run
     def run(
@@ -401,41 +388,7 @@ class Strategy(abc.ABC):
           >>> strategy.reduce("sum", strategy.run(lambda: jnp.float32(1)))  # 8.0 on 8 replicas
         """
         context.require_cross_replica(self, "reduce")
-        op = ReduceOp.parse(op)
-        n = self.num_replicas_in_sync
-
-        def one(x: Any) -> Any:
-            if isinstance(x, PerReplica):
-                self._check_per_replica_devices(x)
-                return jax.tree.map(
-                    lambda a: xr.reducer(
-                        op,
-                        xr.component_axis(axis, a, x.stacked, "reduce"),
-                        x.stacked,
-                        n,
-                        self._replicated,
-                    )(a),
-                    x.value,
-                )
-            if self._placement.is_mirrored(x):
-                a = xr.component_axis(axis, x, False, "reduce")
-                return xr.mirrored_reducer(op, a, n, x.sharding)(x)
-            if op is ReduceOp.SUM and n > 1:
-                raise ValueError(
-                    f"Only results of `strategy.run` can be reduced with SUM over {n} "
-                    f"replicas. Received a value of type {type(x).__name__}: neither a "
-                    "dt.PerReplica nor an array this strategy placed on its replicas (it "
-                    f"would count one value {n} times). Pass what `strategy.run` returned, or "
-                    "use MEAN."
-                )
-            a = xr.component_axis(axis, x, False, "reduce")
-            x = jnp.asarray(x)
-            return x if a is None else jnp.mean(x, a) if op is ReduceOp.MEAN else jnp.sum(x, a)
-
-        return jax.tree.map(one, value, is_leaf=_is_per_replica)
-
-    def _check_per_replica_devices(self, value: PerReplica) -> None:
-        _checks.check_per_replica(self, value, jax.tree.leaves(value.value))
+        return xr.reduce_tree(self, ReduceOp.parse(op), value, axis)
 
     def gather(self, value: Any, axis: int = 0) -> Any:
         """Concatenates the per-replica components of ``value`` along ``axis``, in replica order.
@@ -448,25 +401,7 @@ class Strategy(abc.ABC):
           TypeError: a non-integer ``axis``.
         """
         context.require_cross_replica(self, "gather")
-        n = self.num_replicas_in_sync
-
-        def one(x: Any) -> Any:
-            if isinstance(x, PerReplica):
-                self._check_per_replica_devices(x)
-                return jax.tree.map(
-                    lambda a: xr.gatherer(
-                        xr.component_axis(axis, a, x.stacked, "gather", scalar_ok=True),
-                        x.stacked,
-                        n,
-                        self._replicated,
-                    )(a),
-                    x.value,
-                )
-            x = jnp.asarray(x)
-            a = xr.component_axis(axis, x, False, "gather")
-            return jnp.concatenate([x] * n, a)
-
-        return jax.tree.map(one, value, is_leaf=_is_per_replica)
+        return xr.gather_tree(self, value, axis)
 
     def experimental_local_results(self, value: Any) -> tuple[Any, ...]:
         """The components of ``value`` on this process's replicas, in replica order.
@@ -476,17 +411,7 @@ class Strategy(abc.ABC):
         all of it; of a distributed batch, each process gets the rows it fed.
         """
         context.require_cross_replica(self, "experimental_local_results")
-        local = [devices for _, devices in self._placement.local_replicas()]
-
-        def component(x: Any, devices: tuple[jax.Device, ...]) -> Any:
-            if not isinstance(x, PerReplica):
-                return x
-            return jax.tree.map(lambda a: xr.component_on(a, devices, x.stacked), x.value)
-
-        return tuple(
-            jax.tree.map(functools.partial(component, devices=d), value, is_leaf=_is_per_replica)
-            for d in local
-        )
+        return xr.local_components(self._placement.local_replicas(), value)
 
     # ---------------------------------------------------------------- inputs
     def experimental_distribute_dataset(self, dataset: Iterable[Any], options: Any = None):
@@ -515,19 +440,4 @@ class Strategy(abc.ABC):
           ValueError: the replicas' values differ in structure or in a leaf's shape.
           TypeError: a leaf that cannot go to a device (a string or object array).
         """
-        n = self.num_replicas_in_sync
-        local = self._placement.local_replicas()
-        values = [value_fn(ValueContext(i, n)) for i, _ in local]
-        per_value = _checks.check_replica_values([i for i, _ in local], values)
-        leaves0, treedef = jax.tree.flatten(values[0])
-        out = []
-        for j, leaf in enumerate(leaves0):
-            shape = (n, *np.shape(leaf))
-            shards = [
-                jax.device_put(np.asarray(per_value[r][j])[None], d)
-                for r, (_, devices) in enumerate(local)
-                for d in devices
-            ]
-            out.append(jax.make_array_from_single_device_arrays(shape, self._stacked, shards))
-        stacked = jax.tree.unflatten(treedef, out)
-        return jax.tree.map(lambda x: PerReplica(x, n, stacked=True), stacked)
+        return xr.stacked_values(self._placement, self.num_replicas_in_sync, value_fn)

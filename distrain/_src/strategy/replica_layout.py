@@ -32,6 +32,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from distrain._src.data.batches import batch_size
+from distrain._src.data.options import per_replica_size
 from distrain._src.strategy import layout as _layout
 from distrain._src.strategy import replica_mesh, sharded
 from distrain._src.strategy.batch_layout import BatchLayout
@@ -351,6 +353,28 @@ class ReplicaLayout:
         ]
         shapes = [tuple(np.shape(x)) for x in leaves]
         return self._batch_layout.shardings(paths, shapes, rows, base)
+
+    def abstract_batch(self, batch: Any) -> Any | None:
+        """A global batch of ``jax.ShapeDtypeStruct`` leaves with the shardings a real
+        one gets (for ``memory_analysis``: nothing allocated); None for a real batch.
+
+        Raises:
+          ValueError: leaves whose rows differ, or rows that do not split over the replicas.
+        """
+        leaves = jax.tree.leaves(batch)
+        if not leaves or not all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+            return None
+        treedef = jax.tree.structure(batch)
+        rows = batch_size(leaves, treedef)
+        per_replica_size(rows, self.num_replicas)
+        shardings = self.batch_shardings(leaves, treedef, rows)
+        return jax.tree.unflatten(
+            treedef,
+            [
+                jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s)
+                for x, s in zip(leaves, shardings, strict=True)
+            ],
+        )
 
     def constrain_batch(self, batch: Any) -> Any:
         """Inside a replica's step: its batch laid out by ``batch_layout`` (for batches

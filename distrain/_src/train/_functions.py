@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -33,7 +32,6 @@ import numpy as np
 from distrain._src import context
 from distrain._src.strategy._checks import check_no_leaks
 from distrain._src.train import metrics as metrics_lib
-from distrain._src.values import PerGroup, PerReplica
 
 if TYPE_CHECKING:
     from distrain._src.strategy.base import Strategy
@@ -243,35 +241,7 @@ def trace_shapes(strategy: Strategy, fn: Callable[..., Any], args: tuple[Any, ..
     axis name bound) so the Trainer can build a zero accumulator of the right
     structure before the first dispatch, instead of compiling a second variant.
     """
-    n = strategy.num_replicas_in_sync
-    fn, args, _ = strategy._prepare_call(fn, tuple(args), {})
-    # Replica groups (DiLoCo's islands): a row per group; collectives inside the group.
-    groups = {a: strategy.mesh.shape[a] for a in strategy.replica_layout.group_axes}
-    per_group = n // math.prod(groups.values())
-
-    def local(x: Any) -> Any:
-        if isinstance(x, PerGroup):
-            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), x.value)
-        if isinstance(x, PerReplica):
-            if x.stacked:
-                return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape[1:], a.dtype), x.value)
-            return jax.tree.map(
-                lambda a: jax.ShapeDtypeStruct((a.shape[0] // n, *a.shape[1:]), a.dtype), x.value
-            )
-        return jax.ShapeDtypeStruct(jnp.shape(x), jnp.result_type(x))
-
-    local_args = jax.tree.map(local, args, is_leaf=lambda x: isinstance(x, PerReplica | PerGroup))
-    axis = strategy.axis_name
-    ctx = context.ReplicaContext(
-        strategy, axis, strategy.cross_device_ops, num_replicas=per_group if groups else None
-    )
-    axis_env = [*groups.items(), (axis, per_group)]
-    with (
-        context._enter_scope(strategy),
-        context._enter_replica(ctx),
-        strategy.replica_layout.mesh_context(),
-    ):
-        _, shapes = jax.make_jaxpr(fn, axis_env=axis_env, return_shape=True)(*local_args)
+    shapes = strategy.eval_shape(fn, tuple(args))
     check_no_leaks(fn)
     return shapes
 

@@ -84,7 +84,7 @@ class Steps:
         warn_not_finite: bool,
     ) -> None:
         self.strategy = strategy
-        self.step_fn = strategy._train_step(step_fn)
+        self.step_fn = strategy.training_step(step_fn)
         self.k = 1 if auto else k
         self._clock: float | None = 0.0 if auto else None  # None: calibrated or fixed
         self._donate = (0,) if donate else ()

@@ -465,7 +465,7 @@ class Trainer:
         cbs.call("on_test_begin", None)
         with goodput.phase("evaluation"):
             state = self.strategy.put_replicated(state) if not self.loop.in_fit else state
-            state = self.strategy._eval_state(state)
+            state = self.strategy.evaluation_state(state)
             batches = _input.distribute(self.strategy, data)
             logs = _inference.evaluate_loop(
                 self.strategy, self._eval_fn, self._zeros, state, batches, steps
@@ -501,7 +501,7 @@ class Trainer:
             steps = steps_per_epoch_of(data)
         cbs = CallbackList([*self.callbacks, *callbacks], self)
         cbs.call("on_predict_begin", None)
-        state = self.strategy._eval_state(self.strategy.put_replicated(state))
+        state = self.strategy.evaluation_state(self.strategy.put_replicated(state))
         batches = _input.distribute(self.strategy, data)
         result = _inference.predict_loop(self.strategy, self._predict_fn, state, batches, steps)
         cbs.call("on_predict_end", None)
