@@ -546,3 +546,67 @@ def test_memory_report_counts_the_global_copy_and_one_island_row(devices):
     # The global params and the outer momentum; the island's params and Adam's two
     # moments; three int32 counters (the inner steps, the island's step, Adam's count).
     assert per_device == 2 * p + 3 * p + 3 * 4
+
+
+# --- YAML configs and distrain plan ---------------------------------------------------
+
+QUICKSTART = pathlib.Path(__file__).resolve().parents[1] / "configs" / "quickstart.yaml"
+DILOCO = [
+    "strategy.name=diloco",
+    "strategy.islands.islands=4",
+    "strategy.islands.sync_every=10",
+]
+
+
+def test_a_config_names_islands_and_plan_counts_the_global_copy(devices):
+    """strategy.name: diloco builds the strategy the config describes (DiLoCo's outer
+    optimizer by default); distrain plan's state per device is mirrored's plus the
+    global parameters and the outer momentum."""
+    from distrain._src.train.plan import plan_config
+    from distrain._src.train.run import build_strategy
+
+    cfg = dt.config.load_config(QUICKSTART, [*DILOCO, "strategy.islands.fragments=2"])
+    strategy = build_strategy(cfg.strategy)
+    assert isinstance(strategy, dt.experimental.DiLoCoStrategy)
+    assert (strategy.islands, strategy.config.sync_every, strategy.config.num_fragments) == (
+        4,
+        10,
+        2,
+    )
+
+    from distrain._src.train.plan import abstract_state
+
+    diloco = plan_config(cfg)
+    mirrored = plan_config(dt.config.load_config(QUICKSTART))
+    p = sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(abstract_state(cfg).state.params))
+    # Beside an island's state (mirrored's): the global copy, the outer momentum (one per
+    # fragment, each over its own leaves) and the inner-step counter.
+    extra = diloco["state_bytes_per_device"] - mirrored["state_bytes_per_device"]
+    assert extra == 2 * p + 4
+
+
+@pytest.mark.parametrize(
+    "overrides,match",
+    [
+        (["strategy.name=diloco"], r"strategy.name=diloco needs strategy.islands"),
+        (
+            ["strategy.islands.islands=2", "strategy.islands.sync_every=2"],
+            r"applies to strategy.name=diloco only",
+        ),
+        ([*DILOCO, "strategy.shard_state=true"], r"shard_state does not apply"),
+        ([*DILOCO, "strategy.islands.fragment_update_alpha=2.0"], r"fragment_update_alpha"),
+    ],
+)
+def test_config_errors(overrides, match):
+    with pytest.raises(dt.config.ConfigError, match=match):
+        dt.config.load_config(QUICKSTART, overrides)
+
+
+def test_an_unknown_outer_optimizer_names_its_config_field(devices):
+    from distrain._src.train.run import build_strategy
+
+    cfg = dt.config.load_config(
+        QUICKSTART, [*DILOCO, "strategy.islands.outer_optimizer.name=nesterov_sgd"]
+    )
+    with pytest.raises(dt.config.ConfigError, match=r"'strategy.islands.outer_optimizer.name'"):
+        build_strategy(cfg.strategy)

@@ -213,7 +213,8 @@ class DiLoCoStrategy(Strategy):
         """
         if isinstance(tree, DiLoCoState):
             return self._place(tree)
-        tree = _checks.check_placeable(tree)
+        if not all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree)):
+            tree = _checks.check_placeable(tree)
         if not hasattr(tree, "params") or not hasattr(tree, "replace"):
             raise TypeError(
                 "DiLoCoStrategy.put_replicated takes a train state with `params` and "
@@ -223,6 +224,12 @@ class DiLoCoStrategy(Strategy):
         self._placement.check_rules_used(tree)
         make = functools.partial(outer.init, self._config, islands=self._islands)
         abstract = jax.eval_shape(make, tree)
+        if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree)):
+            return jax.tree.map(  # nothing allocated (distrain plan)
+                lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+                abstract,
+                self._shardings(abstract),
+            )
         # One program builds the islands' copies where they live (no I copies on one device).
         return jax.jit(make, out_shardings=self._shardings(abstract))(tree)
 

@@ -45,6 +45,11 @@ from distrain._src.values import PerReplica
 __all__ = ["Strategy", "check_placeable"]
 
 
+def _is_abstract(tree: Any) -> bool:
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
 class Strategy(abc.ABC):
     """Abstract base of all synchronous strategies: replicas on the devices of a mesh.
 
@@ -188,13 +193,18 @@ class Strategy(abc.ABC):
         The result shares no buffer with ``tree``: a step that donates it
         (``run(..., donate_argnums=...)``) leaves the caller's arrays intact. Only the
         JAX arrays already on one of the strategy's devices are copied for that (JAX
-        would otherwise reuse their buffers there); the rest are transferred as usual.
+        would otherwise reuse their buffers there); the rest are transferred as usual. A
+        tree of ``jax.ShapeDtypeStruct`` gives them the shardings state would have
+        (nothing allocated: ``distrain plan``).
 
         Raises:
           TypeError: a leaf that is not an array or a number (the message names it).
         """
-        tree = check_placeable(tree)
+        abstract = _is_abstract(tree)
+        tree = tree if abstract else check_placeable(tree)
         self._placement.check_rules_used(tree)
+        if abstract:
+            return self._placement.place_abstract(tree)
         return self._placement.place_state(tree)
 
     def state_shardings(self, tree: Any) -> Any:

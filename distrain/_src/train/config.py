@@ -57,12 +57,42 @@ class _Section(pydantic.BaseModel):
     model_config = pydantic.ConfigDict(extra="forbid", strict=True)
 
 
+class OuterOptimizerConfig(_Section):
+    """DiLoCo's outer optimizer: ``getattr(optax, name)(learning_rate, **kwargs)``;
+    DiLoCo's is the default, Nesterov SGD with learning rate 0.7 and momentum 0.9."""
+
+    name: str = "sgd"
+    learning_rate: float = Field(default=0.7, gt=0, allow_inf_nan=False)
+    kwargs: dict[str, Any] = {"momentum": 0.9, "nesterov": True}
+
+
+class IslandsConfig(_Section):
+    """``strategy.islands`` for ``strategy.name: diloco`` (``docs/islands.md``).
+
+    Attributes:
+      islands: the number of islands (equal groups of the devices).
+      sync_every: ``H``, inner steps per round.
+      outer_optimizer: the outer optimizer (default DiLoCo's).
+      fragments, fragment_sync_delay, fragment_update_alpha, outer_dtype: Streaming
+        DiLoCo's, as ``dt.experimental.DiLoCoStrategy`` takes them.
+    """
+
+    islands: pydantic.PositiveInt
+    sync_every: pydantic.PositiveInt
+    outer_optimizer: OuterOptimizerConfig = OuterOptimizerConfig()
+    fragments: pydantic.PositiveInt | list[str] = 1
+    fragment_sync_delay: pydantic.NonNegativeInt = 0
+    fragment_update_alpha: float = Field(default=0.0, ge=0.0, le=1.0)
+    outer_dtype: Literal["float32", "bfloat16", "int8", "int4"] = "float32"
+
+
 class StrategyConfig(_Section):
     """Which strategy runs the replicas.
 
     Attributes:
       name: ``mirrored`` (all local devices), ``one_device``, ``default`` (no
-        distribution), ``multi_worker_mirrored`` or ``central_storage``.
+        distribution), ``multi_worker_mirrored``, ``central_storage`` or ``diloco``
+        (islands: ``islands`` below).
       devices: for ``mirrored``/``central_storage``: device names like ``"cpu:0"``;
         default all local devices. For ``one_device``: the first entry (default the
         first device).
@@ -79,10 +109,13 @@ class StrategyConfig(_Section):
       logical_axis_rules: ``{logical name: inner axis, list of axes or null}``.
       batch_layout: ``{batch leaf pattern: spec}`` (a spec as in ``layout``, its first
         entry ``null`` for the rows), e.g. ``{tokens: [null, context]}``.
+      islands: with ``name: diloco`` (required there, refused elsewhere): the islands
+        and their outer step (:class:`IslandsConfig`); the layout fields apply inside
+        each island.
     """
 
     name: Literal[
-        "mirrored", "one_device", "default", "multi_worker_mirrored", "central_storage"
+        "mirrored", "one_device", "default", "multi_worker_mirrored", "central_storage", "diloco"
     ] = "mirrored"
     devices: list[str] | None = None
     shard_state: bool | Literal["process"] = False
@@ -92,9 +125,24 @@ class StrategyConfig(_Section):
     layout: dict[str, list[str | list[str] | None]] | str | None = None
     logical_axis_rules: dict[str, str | list[str] | None] | None = None
     batch_layout: dict[str, list[str | list[str] | None]] | None = None
+    islands: IslandsConfig | None = None
 
     @pydantic.model_validator(mode="after")
     def _layouts_need_data_parallel(self) -> StrategyConfig:
+        if (self.name == "diloco") != (self.islands is not None):
+            raise ConfigError(
+                "strategy.name=diloco needs strategy.islands (at least islands and "
+                "sync_every), and strategy.islands applies to strategy.name=diloco only. "
+                f"Received: strategy.name={self.name!r} and strategy.islands="
+                f"{'set' if self.islands is not None else 'null'}."
+            )
+        if self.name == "diloco" and self.shard_state:
+            raise ConfigError(
+                "strategy.shard_state does not apply to strategy.name=diloco (each island "
+                "keeps its own copy). Received: strategy.shard_state="
+                f"{self.shard_state!r}; remove it, or lay the state out inside each island "
+                "with devices_per_replica."
+            )
         for field, off in (
             ("shard_state", False),
             ("devices_per_replica", 1),
@@ -105,6 +153,7 @@ class StrategyConfig(_Section):
             if getattr(self, field) != off and self.name not in (
                 "mirrored",
                 "multi_worker_mirrored",
+                "diloco",
             ):
                 raise ConfigError(
                     f"strategy.{field} applies to strategy.name mirrored or "

@@ -61,9 +61,14 @@ _MASK_PARAMS = ("mask", "weight_decay_mask")
 
 
 def optimizer_by_name(
-    name: str, learning_rate: float | optax.Schedule, kwargs: Mapping[str, Any]
+    name: str,
+    learning_rate: float | optax.Schedule,
+    kwargs: Mapping[str, Any],
+    *,
+    section: str = "optimizer",
 ) -> optax.GradientTransformation:
-    """``getattr(optax, name)(learning_rate, **kwargs)``.
+    """``getattr(optax, name)(learning_rate, **kwargs)``; errors name the config
+    ``section`` it came from.
 
     Raises:
       ConfigError: no such optax optimizer (with the closest name), or arguments it
@@ -75,13 +80,13 @@ def optimizer_by_name(
         close = difflib.get_close_matches(name, names, n=1)
         hint = f" Did you mean {close[0]!r}?" if close else ""
         raise ConfigError(
-            f"Config field 'optimizer.name': optax has no optimizer {name!r}.{hint} "
+            f"Config field '{section}.name': optax has no optimizer {name!r}.{hint} "
             "Examples: adam, adamw, sgd, rmsprop."
         )
     try:
         return cast(optax.GradientTransformation, fn(learning_rate, **kwargs))
     except TypeError as e:
-        raise ConfigError(f"Config section 'optimizer': optax.{name}(...) failed: {e}.") from e
+        raise ConfigError(f"Config section '{section}': optax.{name}(...) failed: {e}.") from e
 
 
 def schedule_names() -> list[str]:

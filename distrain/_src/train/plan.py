@@ -176,8 +176,7 @@ def abstract_state(cfg: Any) -> SimpleNamespace:
         params,
         jax.random.PRNGKey(cfg.seed + 1),
     )
-    placed = strategy.replica_layout.place_abstract(state)
-    strategy.replica_layout.check_rules_used(state)
+    placed = strategy.put_replicated(state)  # abstract in, abstract out
     return SimpleNamespace(
         strategy=strategy, state=state, placed=placed, apply_fn=found["apply_fn"]
     )

@@ -155,14 +155,32 @@ def build_strategy(cfg: StrategyConfig) -> Strategy:
         return current
     if cfg.name == "multi_worker_mirrored":
         return dt.MultiWorkerMirroredStrategy(shard_state=cfg.shard_state, **layout)
+    if cfg.name == "diloco" and cfg.islands is not None:
+        isl = cfg.islands
+        outer = isl.outer_optimizer
+        return dt.experimental.DiLoCoStrategy(
+            isl.islands,
+            isl.sync_every,
+            _optimizer(
+                outer.name, outer.learning_rate, outer.kwargs, "strategy.islands.outer_optimizer"
+            ),
+            fragments=isl.fragments,
+            fragment_sync_delay=isl.fragment_sync_delay,
+            fragment_update_alpha=isl.fragment_update_alpha,
+            outer_dtype=isl.outer_dtype,
+            devices=cfg.devices,
+            **layout,
+        )
     return dt.experimental.CentralStorageStrategy(compute_devices=cfg.devices)
 
 
-def _optimizer(name: str, learning_rate: float, kwargs: Mapping[str, Any]) -> Any:
+def _optimizer(
+    name: str, learning_rate: float, kwargs: Mapping[str, Any], section: str = "optimizer"
+) -> Any:
     """``getattr(optax, name)(learning_rate, **kwargs)`` (``optimizer.optimizer_by_name``)."""
     from distrain._src.train.optimizer import optimizer_by_name
 
-    return optimizer_by_name(name, learning_rate, kwargs)
+    return optimizer_by_name(name, learning_rate, kwargs, section=section)
 
 
 def _check_divisible(field: str, batch: int, num_replicas: int) -> None:
