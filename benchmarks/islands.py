@@ -358,7 +358,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         plot(json.loads(args.json.read_text()), args.plot)
         return {}
     if args.toy:
-        args.steps, args.seeds, args.sync_every, args.eval_rows = 20, 1, [5, 10], 64
+        args.steps, args.seeds, args.sync_every, args.eval_rows = 10, 1, [5], 64
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax

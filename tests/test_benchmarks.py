@@ -1,6 +1,7 @@
 """The benchmark runner works end to end with a couple of steps (not a timed test)."""
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -277,3 +278,23 @@ def test_nanogpt_cpu_torch_model_matches_distrain_model():
     for _ in range(3):
         last = loop.train_step(batch).item()
     assert last < first
+
+
+def test_islands_toy_runs(tmp_path):
+    """benchmarks/islands.py --toy: the compiled programs' collectives (none across
+    islands in the inner step; the outer step's bytes per codec) and a short run of
+    data parallelism and DiLoCo with the held-out loss."""
+    out = tmp_path / "islands.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.islands", "--toy", "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert result["inner_cross_island_collectives"] == {"float32": 0, "bfloat16": 0, "int4": 0}
+    sync = result["bytes_per_sync"]
+    assert sync["int4"] < sync["bfloat16"] <= sync["float32"]
+    assert result["dp_bytes_per_step"] > 0
+    assert set(result["runs"]) == {"data_parallel", "diloco_h5"}
+    assert all(math.isfinite(r["final"]) for runs in result["runs"].values() for r in runs)

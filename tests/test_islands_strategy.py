@@ -610,3 +610,35 @@ def test_an_unknown_outer_optimizer_names_its_config_field(devices):
     )
     with pytest.raises(dt.config.ConfigError, match=r"'strategy.islands.outer_optimizer.name'"):
         build_strategy(cfg.strategy)
+
+
+@pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+def test_mixed_precision_inside_islands(devices, policy):
+    """Under a mixed-precision policy the parameters stay float32 (the global copy and
+    the islands'), the loss scale of mixed_float16 is island state (one per island, a
+    row each), and the step is the reference driver's with the same policy."""
+    strategy = dt.experimental.DiLoCoStrategy(islands=2, sync_every=2, outer_optimizer=NESTEROV)
+    config = DiLoCoConfig(sync_every=2, outer_optimizer=NESTEROV)
+    rng = np.random.default_rng(11)
+    params, tx = _params(rng), optax.adam(0.01)
+    batches = _data(rng, 4)
+
+    def step(state, batch):
+        loss, grads = state.value_and_grad(lambda p: dt.compute_average_loss(_loss(p, batch)))(
+            state.params
+        )
+        return state.apply_gradients(grads=grads), loss
+
+    def island_step(state, batch):
+        grads = state.value_and_grad(lambda p: jnp.mean(_loss(p, batch)))(state.params)[1]
+        return state.apply_gradients(grads=grads), None
+
+    state = strategy.put_replicated(dt.TrainState.create(params=params, tx=tx, policy=policy))
+    ref = outer.init(config, dt.TrainState.create(params=params, tx=tx, policy=policy), islands=2)
+    ref_step = jax.jit(lambda s, b: outer.diloco_step(config, s, island_step, b)[0])
+    for x, y in batches:
+        state, _ = strategy.run(step, args=(state, strategy.distribute_batch((x, y))))
+        ref = ref_step(ref, (x.reshape(2, 8, -1), y.reshape(2, 8, -1)))
+    assert {x.dtype for x in jax.tree.leaves((state.params, state.inner.params))} == {np.dtype("float32")}
+    for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref), strict=True):
+        np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3)
