@@ -72,10 +72,10 @@ def _is_spec(x: Any) -> bool:
 class _Rule:
     """One layout entry: a regular expression, or (from a tree) an exact path suffix."""
 
-    __slots__ = ("name", "regex", "suffix", "spec", "used")
+    __slots__ = ("name", "regex", "suffix", "spec")
 
     def __init__(self, name: str, spec: P, *, regex: re.Pattern[str] | None) -> None:
-        self.name, self.spec, self.regex, self.used = name, spec, regex, False
+        self.name, self.spec, self.regex = name, spec, regex
         self.suffix = None if regex is not None else _strip_value(name)
 
     def matches(self, path: str) -> bool:
@@ -155,7 +155,6 @@ class Layout:
         """
         for rule in self._rules:
             if rule.matches(path):
-                rule.used = True
                 return NamedSharding(self._mesh, self._fit(rule, shape, path))
         return NamedSharding(self._mesh, self._fsdp(shape))
 
