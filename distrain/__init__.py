@@ -43,6 +43,7 @@ from distrain._src.current import get_strategy as get_strategy
 from distrain._src.losses import compute_average_loss as compute_average_loss
 from distrain._src.losses import scale_regularization_loss as scale_regularization_loss
 from distrain._src.strategy.base import Strategy as Strategy
+from distrain._src.strategy.layout import OrderedAxisRules as OrderedAxisRules
 from distrain._src.strategy.mirrored import MirroredStrategy as MirroredStrategy
 from distrain._src.strategy.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
@@ -103,6 +104,7 @@ __all__ = [
     "MultiWorkerMirroredStrategy",
     "NcclAllReduce",
     "OneDeviceStrategy",
+    "OrderedAxisRules",
     "PerReplica",
     "RayTrainClusterResolver",
     "ReduceOp",

@@ -639,6 +639,8 @@ def test_mixed_precision_inside_islands(devices, policy):
     for x, y in batches:
         state, _ = strategy.run(step, args=(state, strategy.distribute_batch((x, y))))
         ref = ref_step(ref, (x.reshape(2, 8, -1), y.reshape(2, 8, -1)))
-    assert {x.dtype for x in jax.tree.leaves((state.params, state.inner.params))} == {np.dtype("float32")}
+    assert {x.dtype for x in jax.tree.leaves((state.params, state.inner.params))} == {
+        np.dtype("float32")
+    }
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3)

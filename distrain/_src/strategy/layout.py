@@ -49,7 +49,6 @@ from jax.sharding import PartitionSpec as P
 FSDP_AXIS = "fsdp"
 
 LayoutRules = Mapping[str, Any] | Iterable[tuple[str, Any]] | Any
-LogicalAxisRules = Mapping[str, Any] | Iterable[tuple[str, Any]]
 
 
 def path_str(path: Sequence[Any]) -> str:
@@ -63,6 +62,53 @@ def path_str(path: Sequence[Any]) -> str:
         else:
             parts.append(str(key))
     return "/".join(parts)
+
+
+@final
+class OrderedAxisRules:
+    """An ordered ``logical_axis_rules`` table as MaxText and flax write them.
+
+    ``(logical name, mesh axis | tuple of axes | None)`` pairs in priority order; a name
+    may appear several times. For each dimension of a spec, the first candidate of its
+    name wins whose axes the replica has and no other dimension of the same spec uses;
+    a name none of whose candidates fits is replicated. So a table written for a larger
+    mesh (``"data"``, ``"expert"``, ...) pastes as is. Unlike a plain mapping, names no
+    spec uses are not an error (a pasted table names more than one model uses); layout
+    rules that match no leaf still are.
+
+    Example:
+      >>> rules = dt.OrderedAxisRules([("embed", "fsdp"), ("mlp", "tensor"),
+      ...                              ("mlp", "fsdp"), ("batch", "data")])
+      >>> dt.MirroredStrategy(devices_per_replica={"fsdp": 4, "tensor": 2},
+      ...                     layout={"mlp/up/kernel": P("embed", "mlp")},
+      ...                     logical_axis_rules=rules)
+
+    Raises:
+      ValueError: an item that is not a ``(str, axis | tuple | None)`` pair.
+    """
+
+    def __init__(self, table: Iterable[tuple[str, Any]]) -> None:
+        items = []
+        for item in table:
+            if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)):
+                raise ValueError(
+                    "OrderedAxisRules takes (logical name, mesh axis | tuple of axes | None) "
+                    f"pairs. Received an item {item!r}."
+                )
+            items.append((item[0], _targets(item[1])))
+        self.table: tuple[tuple[str, tuple[str, ...]], ...] = tuple(items)
+
+    def __repr__(self) -> str:
+        return f"OrderedAxisRules({list(self.table)!r})"
+
+
+LogicalAxisRules = Mapping[str, Any] | Iterable[tuple[str, Any]] | OrderedAxisRules
+
+
+def _targets(target: Any) -> tuple[str, ...]:
+    if target is None:
+        return ()
+    return tuple(target) if isinstance(target, tuple | list) else (target,)
 
 
 def _is_spec(x: Any) -> bool:
@@ -122,6 +168,7 @@ class Layout:
         self.min_shard_bytes = min_shard_bytes
         self._mesh = mesh
         self._axes = tuple(axes) if axes is not None else (fsdp_axis,)
+        self._ordered = isinstance(logical_axis_rules, OrderedAxisRules)
         self._logical = _logical_rules(logical_axis_rules, self._axes)
         self._logical_used: set[str] = set()
         self._rules = [
@@ -171,7 +218,7 @@ class Layout:
                 "put_replicated call."
             )
         unused_logical = sorted(set(self._logical) - self._logical_used)
-        if unused_logical:
+        if unused_logical and not self._ordered:
             raise ValueError(
                 f"logical_axis_rules names {unused_logical}, which no layout spec uses. "
                 f"Remove them, or use them in a spec. Logical names in use: "
@@ -197,7 +244,12 @@ class Layout:
                     names.append(n)
                 elif n in self._logical:
                     self._logical_used.add(n)
-                    names.extend(self._logical[n])
+                    used = set(_flat(entries)) | set(names)
+                    candidates = self._logical[n]
+                    if self._ordered:  # the first that fits this spec; none: replicated
+                        free = [c for c in candidates if not set(c) & used]
+                        candidates = free[:1]
+                    names.extend(candidates[0] if candidates else ())
                 else:
                     hint = (
                         f" or a logical name of logical_axis_rules {sorted(self._logical)}"
@@ -300,12 +352,20 @@ def _compile(pattern: str) -> re.Pattern[str]:
 
 def _logical_rules(
     rules: LogicalAxisRules | None, axes: Sequence[str]
-) -> dict[str, tuple[str, ...]]:
-    """``{logical name: mesh axes}`` from a mapping or flax's ``(name, axis)`` pairs."""
+) -> dict[str, list[tuple[str, ...]]]:
+    """``{logical name: candidate mesh axes}``: one candidate from a mapping or flax's
+    ``(name, axis)`` pairs; for an :class:`OrderedAxisRules`, the candidates the
+    replica has, in order."""
     if rules is None:
         return {}
+    if isinstance(rules, OrderedAxisRules):
+        ordered: dict[str, list[tuple[str, ...]]] = {}
+        for name, targets in rules.table:
+            fits = all(t in axes for t in targets)
+            ordered.setdefault(name, []).extend([targets] if fits else [])
+        return ordered
     items = list(rules.items()) if isinstance(rules, Mapping) else list(rules)
-    out: dict[str, tuple[str, ...]] = {}
+    out: dict[str, list[tuple[str, ...]]] = {}
     for item in items:
         if not (isinstance(item, tuple | list) and len(item) == 2 and isinstance(item[0], str)):
             raise ValueError(
@@ -313,13 +373,7 @@ def _logical_rules(
                 f"of axes or None. Received an item {item!r}."
             )
         name, target = item
-        targets = (
-            ()
-            if target is None
-            else tuple(target)
-            if isinstance(target, tuple | list)
-            else (target,)
-        )
+        targets = _targets(target)
         bad = [t for t in targets if t not in axes]
         if bad:
             raise ValueError(
@@ -327,6 +381,9 @@ def _logical_rules(
                 f"inner axes are {list(axes)}. Map it to one of them, or to None (replicated)."
             )
         if name in out:
-            raise ValueError(f"logical_axis_rules names {name!r} twice; give one rule per name.")
-        out[name] = targets
+            raise ValueError(
+                f"logical_axis_rules names {name!r} twice; give one rule per name (or pass "
+                "an ordered table with several candidates per name: dt.OrderedAxisRules)."
+            )
+        out[name] = [targets]
     return out
