@@ -644,3 +644,16 @@ def test_mixed_precision_inside_islands(devices, policy):
     }
     for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref), strict=True):
         np.testing.assert_allclose(a, b, rtol=2e-3, atol=2e-3)
+
+
+def test_values_from_function_number_replicas_across_islands(devices):
+    """experimental_distribute_values_from_function: replica ids 0..7 across islands,
+    island by island, and each replica's island id."""
+    strategy = dt.experimental.DiLoCoStrategy(islands=4, sync_every=2, outer_optimizer=NESTEROV)
+    values = strategy.experimental_distribute_values_from_function(
+        lambda ctx: np.array(
+            [ctx.replica_id_in_sync_group, ctx.island_id, ctx.num_replicas_in_sync]
+        )
+    )
+    got = [tuple(int(v) for v in x) for x in strategy.experimental_local_results(values)]
+    assert got == [(r, r // 2, 8) for r in range(8)]

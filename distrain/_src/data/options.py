@@ -168,10 +168,15 @@ class InputContext:
 
 @dataclasses.dataclass(frozen=True)
 class ValueContext:
-    """Passed to ``value_fn`` of ``experimental_distribute_values_from_function``."""
+    """Passed to ``value_fn`` of ``experimental_distribute_values_from_function``.
+
+    ``island_id`` is the replica's group of replicas (DiLoCo's island; 0 when the
+    strategy has no islands).
+    """
 
     replica_id_in_sync_group: int
     num_replicas_in_sync: int
+    island_id: int = 0
 
 
 def input_context(strategy: Replicas, requests: BatchSizeRequests | None = None) -> InputContext:

@@ -9,6 +9,7 @@ that shape, split batches are reshaped to it.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -107,7 +108,8 @@ def stacked_values(layout: ReplicaLayout, n: int, value_fn: Callable[[Any], Any]
     """A stacked ``PerReplica`` of ``value_fn(ctx)`` for each local replica
     (``Strategy.experimental_distribute_values_from_function``)."""
     local = layout.local_replicas()
-    values = [value_fn(ValueContext(i, n)) for i, _ in local]
+    per_group = n // math.prod(layout.mesh.shape[a] for a in layout.group_axes)
+    values = [value_fn(ValueContext(i, n, i // per_group)) for i, _ in local]
     per_value = _checks.check_replica_values([i for i, _ in local], values)
     leaves0, treedef = jax.tree.flatten(values[0])
     out = []
