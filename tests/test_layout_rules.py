@@ -105,3 +105,19 @@ def test_an_ordered_table_lays_out_like_the_mapping_it_resolves_to(devices):
         b = plain.replica_layout.state_sharding(shape, name)
         assert a.is_equivalent_to(b, len(shape))
     assert jax.device_count() == 8
+
+
+def test_one_path_text_for_layouts_and_checkpoints():
+    """Layout rules and checkpoint manifests read the same path text: dict keys,
+    attribute names and indices joined by "/" (the root is "<root>" in manifests)."""
+    import optax
+
+    from distrain._src.checkpoint import _layout as ckpt
+    from distrain._src.strategy import layout
+
+    state = dt.TrainState.create(params={"dense": {"kernel": np.ones(2)}}, tx=optax.adam(0.1))
+    paths = [layout.path_str(p) for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]]
+    assert "params/dense/kernel" in paths and "opt_state/0/mu/dense/kernel" in paths
+    for p, _ in jax.tree_util.tree_flatten_with_path(state)[0]:
+        assert ckpt.path_str(p) == layout.path_str(p)
+    assert ckpt.path_str(()) == "<root>" and layout.path_str(()) == ""

@@ -32,6 +32,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from distrain._src import pytree
+
 FORMAT = "distrain.checkpoint/1"
 
 
@@ -43,20 +45,9 @@ PyTree = Any
 
 
 def path_str(keypath: Sequence[Any]) -> str:
-    """``params/w`` for ``(DictKey('params'), GetAttrKey('w'))`` and friends."""
-    parts = []
-    for k in keypath:
-        if isinstance(k, jax.tree_util.DictKey):
-            parts.append(str(k.key))
-        elif isinstance(k, jax.tree_util.GetAttrKey):
-            parts.append(k.name)
-        elif isinstance(k, jax.tree_util.SequenceKey):
-            parts.append(str(k.idx))
-        elif isinstance(k, jax.tree_util.FlattenedIndexKey):
-            parts.append(str(k.key))
-        else:
-            parts.append(str(k))
-    return "/".join(parts) or "<root>"
+    """``params/w`` for ``(DictKey('params'), GetAttrKey('w'))`` (``pytree.path_str``);
+    ``<root>`` for a leaf that is the whole tree."""
+    return pytree.path_str(keypath) or "<root>"
 
 
 def is_prng_key(x: Any) -> bool:

@@ -30,6 +30,7 @@ import numpy as np
 import optax
 
 from distrain._src.islands.codecs import OuterDType, outer_dtype_name
+from distrain._src.pytree import path_str
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,7 +184,7 @@ def _check_fragments(fragments: Any) -> int | tuple[str, ...]:
 def leaf_paths(params: Any) -> list[str]:
     """The paths of ``params``' leaves as fragment patterns see them (``"dense/kernel"``)."""
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    return [jax.tree_util.keystr(path, simple=True, separator="/") for path, _ in flat]
+    return [path_str(path) for path, _ in flat]
 
 
 def fragment_ids(config: DiLoCoConfig, params: Any) -> tuple[int, ...]:

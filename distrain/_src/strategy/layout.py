@@ -46,22 +46,11 @@ import jax
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from distrain._src.pytree import path_str as path_str
+
 FSDP_AXIS = "fsdp"
 
 LayoutRules = Mapping[str, Any] | Iterable[tuple[str, Any]] | Any
-
-
-def path_str(path: Sequence[Any]) -> str:
-    """A pytree key path as ``"params/dense/kernel"`` (what layout rules match)."""
-    parts = []
-    for key in path:
-        for attr in ("key", "name", "idx"):
-            if hasattr(key, attr):
-                parts.append(str(getattr(key, attr)))
-                break
-        else:
-            parts.append(str(key))
-    return "/".join(parts)
 
 
 @final
