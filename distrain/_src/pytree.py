@@ -1,4 +1,4 @@
-"""A pytree key path as text, one way for the whole package.
+"""Pytree types and a key path as text, one way for the whole package.
 
 Layout rules match these strings, checkpoints record them, messages print them.
 
@@ -13,6 +13,11 @@ from collections.abc import Sequence
 from typing import Any
 
 import jax
+
+# A pytree (nested dicts, lists, tuples, dataclasses, flax/optax states, ...) of arrays.
+PyTree = Any
+# What tree_flatten_with_path gives each leaf: its keys from the root.
+KeyPath = tuple[Any, ...]
 
 
 def path_str(path: Sequence[Any]) -> str:

@@ -107,6 +107,6 @@ class PerGroup:
 jax.tree_util.register_pytree_with_keys(
     PerGroup,
     lambda g: (((jax.tree_util.GetAttrKey("value"), g.value),), None),
-    lambda _, children: PerGroup(children[0]),
+    lambda _, children: PerGroup(next(iter(children))),
     lambda g: ((g.value,), None),
 )

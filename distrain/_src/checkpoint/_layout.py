@@ -33,15 +33,13 @@ import jax
 import numpy as np
 
 from distrain._src import pytree
+from distrain._src.pytree import PyTree
 
 FORMAT = "distrain.checkpoint/1"
 
 
 class CheckpointCorruptionError(RuntimeError):
     """A checkpoint step could not be read back intact (truncated or garbled files)."""
-
-
-PyTree = Any
 
 
 def path_str(keypath: Sequence[Any]) -> str:

@@ -22,7 +22,8 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from distrain._src.checkpoint import _fingerprint, _layout, _quiet
-from distrain._src.checkpoint._layout import CheckpointCorruptionError, LeafInfo, PyTree
+from distrain._src.checkpoint._layout import CheckpointCorruptionError, LeafInfo
+from distrain._src.pytree import PyTree
 
 
 def _representable(dtype: np.dtype) -> bool:

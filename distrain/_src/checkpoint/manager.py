@@ -47,7 +47,8 @@ from orbax.checkpoint import checkpoint_managers as ocp_policies
 from distrain._src import verbosity
 from distrain._src.checkpoint import _directory, _errors, _fingerprint, _layout, _restore
 from distrain._src.checkpoint import _orbax_internals as _internals
-from distrain._src.checkpoint._layout import CheckpointCorruptionError, LeafInfo, PyTree
+from distrain._src.checkpoint._layout import CheckpointCorruptionError, LeafInfo
+from distrain._src.pytree import PyTree
 from distrain._src.validate import optional_positive_int, positive_int
 
 

@@ -36,8 +36,8 @@ from flax import struct
 
 from distrain._src.islands.codecs import OuterDType, decode, encode
 from distrain._src.islands.schedule import DiLoCoConfig, fragment_ids, leaf_paths
+from distrain._src.pytree import PyTree
 
-PyTree = Any
 Params = Any
 ParamsOf = Callable[[Any], Params]
 WithParams = Callable[[Any, Params], Any]

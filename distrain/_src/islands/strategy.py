@@ -148,7 +148,7 @@ class DiLoCoStrategy(Strategy):
                 initialize_distributed(resolver)
             found = tuple(sorted(jax.devices(), key=lambda d: (d.process_index, d.id)))
         else:
-            found = parse_devices(devices)
+            found = tuple(parse_devices(devices))
         _check_islands(islands, found, devices_per_replica)
         self._islands = islands
         super().__init__(
@@ -287,9 +287,9 @@ class DiLoCoStrategy(Strategy):
           TypeError: ``fn`` returns no state of the structure it received.
         """
         context.require_cross_replica(self, "run")
-        args, kwargs, donate = _checks.check_run_arguments(fn, args, kwargs, donate_argnums)
-        fn, args, kwargs = self._prepare_call(fn, args, kwargs or {})
-        out = self._compiler.run(fn, args, kwargs, donate)
+        checked, kwargs, donate = _checks.check_run_arguments(fn, args, kwargs, donate_argnums)
+        fn, call_args, kwargs = self._prepare_call(fn, tuple(checked), kwargs or {})
+        out = self._compiler.run(fn, call_args, kwargs, donate)
         return jax.tree.map(
             lambda x: x.value if isinstance(x, PerGroup) else x,
             out,

@@ -26,7 +26,7 @@ from typing import Any
 import jax
 import numpy as np
 
-PyTree = Any
+from distrain._src.pytree import PyTree
 
 
 @dataclasses.dataclass(frozen=True)

@@ -172,7 +172,7 @@ class ReplicaCompiler:
         groups = strategy.replica_layout.group_axes
         per_group = n // int(np.prod([mesh.shape[a] for a in groups], dtype=int))
         flat, treedef = jax.tree.flatten((args, kwargs))
-        kinds = _kinds(treedef.unflatten(range(len(flat))))
+        kinds = _kinds(jax.tree.unflatten(treedef, range(len(flat))))
 
         def local(i: int, x: Any) -> Any:
             if not isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
@@ -187,7 +187,7 @@ class ReplicaCompiler:
         avals = [local(i, x) for i, x in enumerate(flat)]
         local_args, local_kwargs = jax.tree.map(
             lambda x: x.value if _is_distributed(x) else x,
-            treedef.unflatten(avals),
+            jax.tree.unflatten(treedef, avals),
             is_leaf=_is_distributed,
         )
         ctx = ReplicaContext(
@@ -271,7 +271,7 @@ class ReplicaCompiler:
         array_kinds = [kinds.get(i) for i in range(n_leaves) if i not in static]
         # Replicas that span devices get their replica id as a first, split input:
         # axis_index does not lower in a partly manual program without a context mesh.
-        in_kinds: list[str | None] = ["split"] * spans + array_kinds
+        in_kinds: list[str | None] = [*(["split"] * spans), *array_kinds]
         in_varying = [k in ("split", "stacked") for k in in_kinds]  # over the replica axis
         in_specs = tuple(
             P(*groups) if k == "group" else P(rep) if k is not None else P() for k in in_kinds
@@ -305,7 +305,7 @@ class ReplicaCompiler:
             if spans:
                 arrays = (jnp.arange(n, dtype=jnp.int32), *arrays)
             local = [
-                _local_aval(x, {"split": n, "stacked": n, "group": g}.get(k, 1))
+                _local_aval(x, {"split": n, "stacked": n, "group": g}.get(k or "", 1))
                 for x, k in zip(arrays, in_kinds, strict=True)
             ]
             with in_mesh():

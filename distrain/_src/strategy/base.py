@@ -288,8 +288,8 @@ class Strategy(abc.ABC):
         """
         context.require_cross_replica(self, "eval_shape")
         args, kwargs, _ = _checks.check_run_arguments(fn, args, kwargs, ())
-        fn, args, kwargs = self._prepare_call(fn, tuple(args), kwargs or {})
-        return self._compiler.output_shapes(fn, args, kwargs)
+        fn, call_args, kwargs = self._prepare_call(fn, tuple(args), kwargs or {})
+        return self._compiler.output_shapes(fn, call_args, kwargs)
 
     # Hooks for a strategy whose state wraps the user's (DiLoCo's islands): the
     # identity here.

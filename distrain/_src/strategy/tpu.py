@@ -252,9 +252,9 @@ class TPUStrategy(Strategy):
             logical_axis_rules=logical_axis_rules,
             batch_layout=batch_layout,
             min_shard_bytes=min_shard_bytes,
+            shard_state=shard_state,
         )
         self._num_slices = check_slices(devices, self.devices_per_replica)
-        self._set_shard_state(shard_state, min_shard_bytes)
 
     def state_sharding(self, shape: tuple[int, ...], path: str = "") -> jax.sharding.Sharding:
         return self._placement.state_sharding(shape, path)

@@ -175,7 +175,7 @@ def make_train_fn(train_step: Step, num_steps: int) -> Callable[..., Any]:
             return state, acc
 
     train_fn.__name__ = f"train_{num_steps}_{_name(train_step)}"
-    train_fn.__wrapped__ = train_step  # type: ignore[attr-defined]  # whose steps it runs
+    train_fn.__wrapped__ = train_step  # type: ignore[union-attr]  # whose steps it runs
     return train_fn
 
 
