@@ -53,6 +53,7 @@ from distrain._src.strategy import layout as _layout
 from distrain._src.strategy.base import Strategy
 from distrain._src.strategy.devices import DeviceSpec, parse_devices
 from distrain._src.strategy.layout import LayoutRules, LogicalAxisRules
+from distrain._src.strategy.replica_layout import is_abstract
 from distrain._src.strategy.replica_mesh import DevicesPerReplica
 from distrain._src.strategy.sharded import DEFAULT_MIN_SHARD_BYTES
 from distrain._src.values import PerGroup, PerReplica
@@ -197,9 +198,7 @@ class DiLoCoStrategy(Strategy):
     def island_sharding(self, shape: tuple[int, ...], path: str = "") -> NamedSharding:
         """Where an island-varying leaf of ``shape`` (island axis first) lives: one row
         per island, laid out inside each island as ``state_sharding`` lays out a row."""
-        inner = self.state_sharding(tuple(shape[1:]), path)
-        spec = inner.spec if isinstance(inner, NamedSharding) else P()
-        return NamedSharding(self._mesh, P(ISLAND_AXIS, *spec))
+        return self._placement.group_sharding(shape, path)
 
     # --------------------------------------------------------------- placement
     def put_replicated(self, tree: Any) -> DiLoCoState:
@@ -213,7 +212,8 @@ class DiLoCoStrategy(Strategy):
         """
         if isinstance(tree, DiLoCoState):
             return self._place(tree)
-        if not all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree)):
+        shapes_only = is_abstract(tree)
+        if not shapes_only:
             tree = _checks.check_placeable(tree)
         if not hasattr(tree, "params") or not hasattr(tree, "replace"):
             raise TypeError(
@@ -224,7 +224,7 @@ class DiLoCoStrategy(Strategy):
         self._placement.check_rules_used(tree)
         make = functools.partial(outer.init, self._config, islands=self._islands)
         abstract = jax.eval_shape(make, tree)
-        if all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves(tree)):
+        if shapes_only:
             return jax.tree.map(  # nothing allocated (distrain plan)
                 lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
                 abstract,

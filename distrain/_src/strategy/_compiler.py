@@ -29,6 +29,14 @@ trace that runs (XLA rejects an all-reduce over a manual axis of size 1), so the
 compiles as a hand-written ``jax.jit`` FSDP program, while the replica analysis reads
 the program as written. A program that still names the replica axis (a user's own
 ``lax.psum``) runs under ``jax.vmap`` over a replica axis of size 1 instead.
+
+Replica groups (DiLoCo's islands, the layout's ``group_axes``): the program is manual
+over the group axis too. Leaves inside a ``PerGroup`` argument have a row per group
+(the replicas of group ``g`` see row ``g``); results a replica function returns inside
+a ``PerGroup`` come back with a row per group, and must be identical on a group's
+replicas (checked by the replica analysis); other results that differ across groups
+come back per replica. The replica context's collectives, replica id and count are
+the group's.
 """
 
 from __future__ import annotations
@@ -508,9 +516,5 @@ def _group_varies(fn: Any, path: Any) -> ValueError:
 def _place_group(strategy: Strategy, x: jax.Array, path: str) -> jax.Array:
     """A per-group result (leading group axis) laid out over the groups, and inside each
     group as the strategy keeps state of its shape and path."""
-    inner = strategy.state_sharding(tuple(x.shape[1:]), path)
-    spec = inner.spec if isinstance(inner, jax.sharding.NamedSharding) else P()
-    target = jax.sharding.NamedSharding(
-        strategy.mesh, P(*strategy.replica_layout.group_axes, *spec)
-    )
+    target = strategy.replica_layout.group_sharding(tuple(x.shape), path)
     return jax.lax.with_sharding_constraint(x, target)

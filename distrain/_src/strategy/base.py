@@ -39,15 +39,10 @@ from distrain._src.strategy import _cross_replica as xr
 from distrain._src.strategy import layout as _layout
 from distrain._src.strategy._checks import check_placeable
 from distrain._src.strategy._compiler import ReplicaCompiler
-from distrain._src.strategy.replica_layout import REPLICA_AXIS, ReplicaLayout
+from distrain._src.strategy.replica_layout import REPLICA_AXIS, ReplicaLayout, is_abstract
 from distrain._src.values import PerReplica
 
 __all__ = ["Strategy", "check_placeable"]
-
-
-def _is_abstract(tree: Any) -> bool:
-    leaves = jax.tree.leaves(tree)
-    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
 
 
 class Strategy(abc.ABC):
@@ -194,18 +189,16 @@ class Strategy(abc.ABC):
         (``run(..., donate_argnums=...)``) leaves the caller's arrays intact. Only the
         JAX arrays already on one of the strategy's devices are copied for that (JAX
         would otherwise reuse their buffers there); the rest are transferred as usual. A
-        tree of ``jax.ShapeDtypeStruct`` gives them the shardings state would have
-        (nothing allocated: ``distrain plan``).
+        tree of ``jax.ShapeDtypeStruct`` gets the shardings state would have.
 
         Raises:
           TypeError: a leaf that is not an array or a number (the message names it).
         """
-        abstract = _is_abstract(tree)
+        abstract = is_abstract(tree)
         tree = tree if abstract else check_placeable(tree)
         self._placement.check_rules_used(tree)
-        if abstract:
-            return self._placement.place_abstract(tree)
-        return self._placement.place_state(tree)
+        place = self._placement.place_abstract if abstract else self._placement.place_state
+        return place(tree)
 
     def state_shardings(self, tree: Any) -> Any:
         """:meth:`state_sharding` for each leaf of ``tree`` (by shape and key path)."""

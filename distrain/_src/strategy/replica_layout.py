@@ -41,6 +41,12 @@ from distrain._src.strategy.batch_layout import BatchLayout
 REPLICA_AXIS = "replica"
 
 
+def is_abstract(tree: Any) -> bool:
+    """Whether ``tree`` has leaves and all are ``jax.ShapeDtypeStruct`` (nothing allocated)."""
+    leaves = jax.tree.leaves(tree)
+    return bool(leaves) and all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves)
+
+
 def _unaliased(x: Any, sharding: jax.sharding.Sharding) -> Any:
     """``x``, copied where it is if placing it with ``sharding`` would reuse its buffers.
 
@@ -302,6 +308,14 @@ class ReplicaLayout:
 
         return jax.tree_util.tree_map_with_path(place, tree)
 
+    def group_sharding(self, shape: tuple[int, ...], path: str = "") -> NamedSharding:
+        """Where a leaf with a row per replica group lives (``shape``: the group axis
+        first; DiLoCo's islands' state): split over the group axis, each row laid out as
+        :meth:`state_sharding` lays out a state leaf of its shape."""
+        inner = self.state_sharding(tuple(shape[1:]), path)
+        spec = inner.spec if isinstance(inner, NamedSharding) else P()
+        return NamedSharding(self._mesh, P(*self._group_axes, *spec))
+
     def is_mirrored(self, x: Any) -> bool:
         """Whether ``x`` is an array held identically by every replica (where state
         lives)."""
@@ -361,10 +375,9 @@ class ReplicaLayout:
         Raises:
           ValueError: leaves whose rows differ, or rows that do not split over the replicas.
         """
-        leaves = jax.tree.leaves(batch)
-        if not leaves or not all(isinstance(x, jax.ShapeDtypeStruct) for x in leaves):
+        if not is_abstract(batch):
             return None
-        treedef = jax.tree.structure(batch)
+        leaves, treedef = jax.tree.flatten(batch)
         rows = batch_size(leaves, treedef)
         per_replica_size(rows, self.num_replicas)
         shardings = self.batch_shardings(leaves, treedef, rows)
