@@ -121,6 +121,15 @@ def _groups(line: str, n_devices: int) -> tuple[tuple[int, ...], ...]:
         if iota.group(4):
             ids = ids.transpose([int(v) for v in iota.group(4).split(",")])
         return tuple(tuple(int(v) for v in row) for row in ids.reshape(count, size))
+    named = re.search(r"replica_groups=mesh\[([^\]]*)\]\s*\{([^}]*)\}", line)
+    if named:  # XLA >= jax 0.12: groups over named axes of the program's mesh
+        axes = re.findall(r"'([^']+)'=(\d+)", named.group(1))
+        names, sizes = [a for a, _ in axes], [int(v) for _, v in axes]
+        over = [names.index(a) for a in re.findall(r"'([^']+)'", named.group(2))]
+        rest = [i for i in range(len(names)) if i not in over]
+        ids = np.arange(math.prod(sizes)).reshape(sizes).transpose(rest + over)
+        size = math.prod(sizes[i] for i in over)
+        return tuple(tuple(int(v) for v in row) for row in ids.reshape(-1, size))
     return (tuple(range(n_devices)),)  # replica_groups={}: every device
 
 
