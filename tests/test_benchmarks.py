@@ -284,9 +284,12 @@ def test_islands_toy_runs(tmp_path):
     """benchmarks/islands.py --toy: the compiled programs' collectives (none across
     islands in the inner step; the outer step's bytes per codec) and a short run of
     data parallelism and DiLoCo with the held-out loss."""
-    out = tmp_path / "islands.json"
+    out, text = tmp_path / "islands.json", tmp_path / "text.txt"
+    # Any text will do (the shared TinyShakespeare may not be beside the checkout).
+    text.write_bytes(b"".join(p.read_bytes() for p in sorted((ROOT / "docs").glob("*.md"))))
     proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.islands", "--toy", "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.islands", "--toy", "--data", str(text),
+         "--json", str(out)],
         cwd=ROOT, env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
