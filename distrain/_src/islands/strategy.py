@@ -288,7 +288,7 @@ class DiLoCoStrategy(Strategy):
         """
         context.require_cross_replica(self, "run")
         checked, kwargs, donate = _checks.check_run_arguments(fn, args, kwargs, donate_argnums)
-        fn, call_args, kwargs = self._prepare_call(fn, tuple(checked), kwargs or {})
+        fn, call_args, kwargs = self._prepare_call(fn, checked, kwargs or {})
         out = self._compiler.run(fn, call_args, kwargs, donate)
         return jax.tree.map(
             lambda x: x.value if isinstance(x, PerGroup) else x,
