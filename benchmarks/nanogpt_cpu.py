@@ -25,6 +25,10 @@ layer norm, GELU, the MLP's and QKV's matmuls, the tied head with its loss, the
 embedding), forward and forward + backward, beside the same component in PyTorch; and
 the compiled step's HLO ops by category from ``jax.profiler`` (XLA:CPU's thunks).
 
+With ``--torch-device cuda`` and the GPU recipe's shapes as overrides (docs/performance.md,
+"Measuring on a GPU"), JAX runs on the GPU and PyTorch beside it on CUDA, with fused AdamW
+and TF32 matmuls as XLA's float32 default.
+
 Usage:
   python -m benchmarks.nanogpt_cpu                 # full: ~3-5 min on 2 cores
   python -m benchmarks.nanogpt_cpu --toy           # a few steps (the smoke test)
@@ -261,10 +265,13 @@ class TorchEager:
 
     name = "torch_eager"
 
-    def __init__(self, r: Recipe, torch: Any) -> None:
-        self.torch, self.r = torch, r
+    def __init__(self, r: Recipe, torch: Any, device: str = "cpu") -> None:
+        self.torch, self.r, self.device = torch, r, device
         torch.set_num_threads(_cores())  # the cores this process may run on, as XLA:CPU
-        self.model = torch_gpt(r, torch)
+        if device != "cpu":
+            # XLA multiplies float32 on GPUs in TF32 by default; PyTorch does not: same maths.
+            torch.set_float32_matmul_precision("high")
+        self.model = torch_gpt(r, torch).to(device)
         kw = dict(r.cfg.optimizer.kwargs)
         decay = [p for p in self.model.parameters() if p.dim() >= 2]
         no_decay = [p for p in self.model.parameters() if p.dim() < 2]
@@ -276,9 +283,12 @@ class TorchEager:
             lr=r.lr(0),
             betas=(kw.get("b1", 0.9), kw.get("b2", 0.999)),
             eps=kw.get("eps", 1e-8),
+            fused=device != "cpu",  # nanoGPT fuses AdamW on CUDA
         )
         self.clip = r.cfg.optimizer.clip_global_norm
-        self.batches = [torch.from_numpy(b["tokens"].astype(np.int64)) for b in r.batches]
+        self.batches = [
+            torch.from_numpy(b["tokens"].astype(np.int64)).to(device) for b in r.batches
+        ]
         self.it = 0
 
     def train_step(self, tokens: Any) -> Any:
@@ -297,7 +307,7 @@ class TorchEager:
         start = time.perf_counter()
         for i in range(steps):
             loss = self.train_step(self.batches[i % NUM_STAGED])
-        loss.item()  # eager on CPU is synchronous; nanoGPT reads the loss as it logs
+        loss.item()  # waits for the device (eager on CPU is synchronous); nanoGPT logs it
         return time.perf_counter() - start
 
 
@@ -615,7 +625,8 @@ def table(result: dict[str, Any]) -> str:
     m = result["machine"]
     t = result["timing"]
     lines = [
-        f"nanoGPT's CPU recipe ({result['recipe']}), {m['cores']} cores of {m['cpu']}, "
+        f"nanoGPT's recipe ({result['recipe']}, JAX on {m['backend']}, PyTorch on "
+        f"{result.get('torch_device', 'cpu')}), {m['cores']} cores of {m['cpu']}, "
         f"load {m['load_average'][0]:.1f}"
         if m["load_average"]
         else "",
@@ -677,6 +688,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "with its default spinning, 2 threads of torch eager ran 10-30x slower under a load "
         "of 3-6 on 2 cores); default: leave it as set",
     )
+    p.add_argument(
+        "--torch-device",
+        default="cpu",
+        help="where the PyTorch arm runs (cuda: beside JAX's GPU; the breakdown is CPU only)",
+    )
     p.add_argument("--out", default=str(OUT), help="the JSON result ('' to write none)")
     args = p.parse_args(argv)
     if args.omp_wait_policy:
@@ -690,7 +706,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     bare = JaxJit(r)
     loops: list[Any] = [TrainerFit(r), bare]
     if torch is not None:
-        loops.append(TorchEager(r, torch))
+        loops.append(TorchEager(r, torch, args.torch_device))
     else:
         log("PyTorch is not installed (pip install -e .[bench]): the torch arm is skipped")
     result: dict[str, Any] = {
@@ -706,6 +722,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "batch": r.batch,
         },
         "machine": machine(),
+        "torch_device": args.torch_device,
     }
     result["timing"] = interleave(loops, args.steps, args.rounds, log)
     if not args.no_breakdown:

@@ -266,3 +266,19 @@ def test_fit_donates_the_state_but_not_the_callers_arrays(mirrored):
     snapshot = trainer.state_snapshot()
     trainer.fit(final, pipeline(n=160, batch=32), steps=2)
     assert not any(x.is_deleted() for x in jax.tree.leaves(snapshot))
+
+
+def test_a_step_without_metrics_fits_and_evaluates_on_every_replica(mirrored):
+    """No zero-size buffer crosses the replica program: jaxlib 0.11.2's XLA:CPU died
+    (SIGSEGV) compiling a metric-less step whose accumulator was f32[replicas, 0]."""
+    from distrain._src.train import _functions
+
+    assert _functions.Layout({}).size == 1 and _functions.pack({}).shape == (1,)
+
+    def no_metrics(state, batch):
+        return train_step(state, batch)[0], {}
+
+    trainer = Trainer(mirrored, no_metrics, lambda state, batch: {}, steps_per_execution=2)
+    state, history = trainer.fit(new_state(), pipeline(), steps=4, validation_data=pipeline())
+    assert int(state.step) == 4 and history.history == {}
+    assert trainer.evaluate(state, pipeline()) == {}

@@ -117,8 +117,8 @@ def pack(metrics: Any) -> jax.Array:
     a little on every dispatch and every device.
     """
     leaves = jax.tree.leaves(metrics)
-    if not leaves:
-        return jnp.zeros((0,), jnp.float32)
+    if not leaves:  # one unused slot: see Layout.size
+        return jnp.zeros((1,), jnp.float32)
     return jnp.concatenate([jnp.ravel(x).astype(jnp.float32) for x in leaves])
 
 
@@ -129,7 +129,9 @@ class Layout:
         leaves, self.treedef = jax.tree.flatten(shapes)
         self.shapes = [tuple(x.shape) for x in leaves]
         self.offsets = np.cumsum([0] + [int(np.prod(s)) for s in self.shapes])
-        self.size = int(self.offsets[-1])
+        # At least one slot: jaxlib 0.11.2's XLA:CPU crashed (SIGSEGV) compiling a step
+        # whose zero-size accumulator, f32[replicas, 0], crossed the replica shard_map.
+        self.size = max(1, int(self.offsets[-1]))
 
     def unpack(self, vector: Any) -> Any:
         """The metrics dict with float64 NumPy leaves from a packed vector."""
