@@ -55,9 +55,30 @@ _SLOW_FILES_FIRST = (
 # `make test` runs the suite on both ends of the jax range and sets DISTRAIN_TEST_END to
 # the end it runs. A slow test of what does not change with jax (real processes, Ray,
 # the CLI's words, the docs, the benchmark scripts) is marked `one_end("newest")` or
-# `one_end("lowest")` and runs on that end only; without the variable (plain `pytest`,
-# or a `make test` that has no Python 3.12 for the newest end) every test runs.
+# `one_end("lowest")` and runs on that end only. A slow parametrized test marked
+# `split_ends` runs its variants on alternate ends (the first on the lowest, the second
+# on the newest, ...): each end still runs the test, on half of its cases. Without the
+# variable (plain `pytest`, or a `make test` that has no Python 3.12 for the newest
+# end) every test runs. docs/architecture.md ("Tests") says how to choose.
 ENDS = ("lowest", "newest")
+
+
+def _end_of(item, variants: dict) -> str | None:
+    """The end ``item`` runs on (None: both), from its one_end / split_ends marker."""
+    one = item.get_closest_marker("one_end")
+    split = item.get_closest_marker("split_ends")
+    if one is not None and (len(one.args) != 1 or one.args[0] not in ENDS):
+        raise pytest.UsageError(f"{item.nodeid}: one_end takes one of {ENDS}; got {one.args!r}.")
+    if split is not None:
+        if one is not None or getattr(item, "callspec", None) is None:
+            raise pytest.UsageError(
+                f"{item.nodeid}: split_ends is for a parametrized test without one_end "
+                "(its variants alternate between the ends); use one_end for a single test."
+            )
+        group = (item.path, getattr(item.cls, "__name__", None), item.originalname)
+        i = variants[group] = variants.get(group, -1) + 1
+        return ENDS[i % 2]
+    return one.args[0] if one is not None else None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -66,14 +87,10 @@ def pytest_collection_modifyitems(config, items):
     end = os.environ.get("DISTRAIN_TEST_END")
     if end and end not in ENDS:
         raise pytest.UsageError(f"DISTRAIN_TEST_END must be one of {ENDS}; got {end!r}.")
-    keep, other_end = [], []
+    keep, other_end, variants = [], [], {}
     for item in items:
-        marker = item.get_closest_marker("one_end")
-        if marker is not None and (len(marker.args) != 1 or marker.args[0] not in ENDS):
-            raise pytest.UsageError(
-                f"{item.nodeid}: one_end takes one of {ENDS}; got {marker.args!r}."
-            )
-        (other_end if end and marker and marker.args[0] != end else keep).append(item)
+        its_end = _end_of(item, variants)
+        (other_end if end and its_end not in (None, end) else keep).append(item)
     if other_end:
         config.hook.pytest_deselected(items=other_end)
         items[:] = keep

@@ -94,6 +94,49 @@ def test_one_end_tests_are_collected_on_their_end_only():
     assert ids["newest"] == {"tests/test_launch.py"}
 
 
+def test_split_ends_variants_alternate_between_the_ends():
+    """Each end runs half of a split test's cases, together all of them, none twice."""
+    name = "test_split_attention_equals_the_whole_float32"
+    ids = {}
+    for end in ("", "lowest", "newest"):
+        done = _collected(end, "tests/test_nn_attention.py")
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        ids[end] = [line for line in done.stdout.splitlines() if f"::{name}[" in line]
+    every, low, new = ids[""], ids["lowest"], ids["newest"]
+    assert len(every) >= 4 and set(low) | set(new) == set(every) and not set(low) & set(new)
+    assert low == every[0::2] and new == every[1::2]
+
+
+@pytest.mark.parametrize(
+    "marks, case",
+    [
+        ("@pytest.mark.split_ends", "def test_single(): pass"),
+        (
+            '@pytest.mark.split_ends\n@pytest.mark.one_end("lowest")\n'
+            '@pytest.mark.parametrize("x", [1, 2])',
+            "def test_both(x): pass",
+        ),
+    ],
+)
+def test_split_ends_on_a_test_that_cannot_split_is_a_usage_error(tmp_path, marks, case):
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "pytest.ini").write_text(
+        "[pytest]\nmarkers =\n  one_end(end): an end\n  split_ends: variants alternate\n"
+    )
+    (tmp_path / "test_bad.py").write_text(f"import pytest\n\n{marks}\n{case}\n")
+    env = {**os.environ, "DISTRAIN_TEST_END": "lowest"}
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 4, done.stdout[-2000:] + done.stderr[-2000:]
+    assert "split_ends is for a parametrized test without one_end" in done.stderr
+
+
 def test_an_unknown_end_is_a_usage_error():
     done = _collected("oldest", "tests/test_launch.py")
     assert done.returncode == 4
