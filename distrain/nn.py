@@ -8,6 +8,7 @@ Example:
   >>> y = dt.nn.dot_product_attention(q, k, v, is_causal=True, segment_ids=seg)
   >>> batch = dt.nn.load_balance(batch, axis_size=4)     # in the input path
   >>> h = dt.nn.pipeline(layer_fn, stacked_params, x, microbatches=8)
+  >>> y, stats = dt.nn.moe(x, moe_params, top_k=2)             # experts over "expert"
 """
 
 from distrain._src.nn.attention import dot_product_attention as dot_product_attention
@@ -15,6 +16,8 @@ from distrain._src.nn.load_balance import LoadBalance as LoadBalance
 from distrain._src.nn.load_balance import load_balance as load_balance
 from distrain._src.nn.load_balance import load_balance_inverse as load_balance_inverse
 from distrain._src.nn.load_balance import load_balance_order as load_balance_order
+from distrain._src.nn.moe import moe as moe
+from distrain._src.nn.moe import route as route
 from distrain._src.nn.pipeline import pipeline as pipeline
 
 __all__ = [
@@ -23,5 +26,7 @@ __all__ = [
     "load_balance",
     "load_balance_inverse",
     "load_balance_order",
+    "moe",
     "pipeline",
+    "route",
 ]

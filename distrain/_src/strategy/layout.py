@@ -178,9 +178,14 @@ class Layout:
         ``"stage"`` keeps the rows split over it, as before this distinction: rows whole
         over it made XLA abort while compiling the LM's pipeline on
         ``{"stage": 2, "fsdp": 2}`` (tests/test_example_lm.py, jax 0.10.2), and
-        ``dt.nn.pipeline`` gathers its microbatches itself.
+        ``dt.nn.pipeline`` gathers its microbatches itself. ``"expert"`` too: its devices
+        hold different experts, and ``dt.nn.moe`` sends each token to its experts.
         """
-        return frozenset(a for r in self._rules for a in _flat(r.spec)) - {self.axis, "stage"}
+        return frozenset(a for r in self._rules for a in _flat(r.spec)) - {
+            self.axis,
+            "stage",
+            "expert",
+        }
 
     def sharding(self, shape: tuple[int, ...], path: str = "") -> NamedSharding:
         """The sharding of a state leaf of ``shape`` at ``path``.
