@@ -12,6 +12,13 @@ load-balanced row (``dt.nn.load_balance``) passes its permuted positions the sam
 ``remat`` recomputes each block's activations in the backward pass by a
 ``jax.checkpoint_policies`` policy (see :data:`REMAT_POLICIES`).
 
+``moe_experts=E`` replaces each block's MLP by a mixture of ``E`` GELU experts
+(``dt.nn.moe``, ``moe_top_k`` per token, dropless unless ``moe_capacity_factor``; an
+optional shared expert): lay the experts out with :data:`EXPERT_LAYOUT` on a replica with
+an ``"expert"`` axis. ``model(tokens, return_aux=True)`` also returns the routing
+statistics, averaged over the blocks, and ``moe_loss``, the weighted auxiliary loss the
+step adds.
+
 ``pipeline_microbatches=M`` stacks the blocks (one leading layer dimension, the
 ``nnx.vmap`` / ``lax.scan`` layout) and runs them through ``dt.nn.pipeline``: a scan over
 the layers on a replica without a ``"stage"`` axis, GPipe over its stages with one (lay
@@ -45,6 +52,7 @@ from jax.sharding import PartitionSpec as P
 import distrain as dt
 
 __all__ = [
+    "EXPERT_LAYOUT",
     "REMAT_POLICIES",
     "TENSOR_PARALLEL_LAYOUT",
     "LMConfig",
@@ -89,6 +97,13 @@ class LMConfig:
       pipeline_microbatches: ``None``: the blocks are a list; an int ``M``: they are
         stacked and run by ``dt.nn.pipeline`` with ``M`` microbatches.
       pipeline_repeats: ``dt.nn.pipeline``'s ``repeats`` (the circular schedule).
+      moe_experts: ``None``: dense MLPs; an int ``E``: mixture-of-experts MLPs of ``E``
+        experts of width ``d_ff`` (``dt.nn.moe``).
+      moe_top_k: experts per token.
+      moe_capacity_factor: ``None``: dropless; a number: ``dt.nn.moe``'s capacity factor.
+      moe_shared_expert: add a dense expert of width ``d_ff`` every token goes through.
+      moe_balance_weight, moe_z_weight: the weights of the load-balancing loss and the
+        router z-loss in ``moe_loss`` (Switch Transformer's 0.01; ST-MoE's 0.001).
     """
 
     vocab_size: int = 256
@@ -103,6 +118,12 @@ class LMConfig:
     attention: Literal["ring", "all_gather"] | None = None
     pipeline_microbatches: int | None = None
     pipeline_repeats: int = 1
+    moe_experts: int | None = None
+    moe_top_k: int = 2
+    moe_capacity_factor: float | None = None
+    moe_shared_expert: bool = False
+    moe_balance_weight: float = 0.01
+    moe_z_weight: float = 0.001
 
     def __post_init__(self) -> None:
         names = ["vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "pipeline_repeats"]
@@ -133,6 +154,28 @@ class LMConfig:
         if self.dtype not in _DTYPES:
             raise ValueError(
                 f"LMConfig.dtype must be one of {sorted(_DTYPES)}. Received: {self.dtype!r}."
+            )
+        if self.moe_experts is not None:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        e, k = self.moe_experts, self.moe_top_k
+        if isinstance(e, bool) or not isinstance(e, int) or e < 1:
+            raise ValueError(f"LMConfig.moe_experts must be a positive int. Received: {e!r}.")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= e:
+            raise ValueError(
+                f"LMConfig.moe_top_k must be an int from 1 to moe_experts ({e}). Received: {k!r}."
+            )
+        c = self.moe_capacity_factor
+        if c is not None and not c > 0:
+            raise ValueError(
+                f"LMConfig.moe_capacity_factor must be > 0 (or None: dropless). Received: {c!r}."
+            )
+        if self.pipeline_microbatches is not None:
+            raise ValueError(
+                "LMConfig: mixture-of-experts blocks (moe_experts) cannot be pipelined yet "
+                "(their statistics would have to leave dt.nn.pipeline's schedule). Use "
+                "pipeline_microbatches=None, or a dense model."
             )
 
     @property
@@ -170,6 +213,11 @@ TENSOR_PARALLEL_LAYOUT = {
     "mlp/proj/kernel": P("tensor", "fsdp"),
     "embed/embedding": P("tensor", "fsdp"),
 }
+
+
+# The experts of a mixture-of-experts model split over the replica's "expert" axis
+# (each device holds moe_experts / X of them); the router and everything else as usual.
+EXPERT_LAYOUT = {"mlp/w_in|mlp/w_out": P("expert")}
 
 
 def pipeline_layout(devices_per_replica: Mapping[str, int]) -> list[tuple[str, P]]:
@@ -260,18 +308,50 @@ class MLP(nnx.Module):
         return self.proj(jax.nn.gelu(self.fc(x)))
 
 
+class MoE(nnx.Module):
+    """``moe_experts`` GELU experts (``d_model -> d_ff -> d_model``), ``moe_top_k`` per
+    token, through ``dt.nn.moe``; returns ``(y, statistics)``."""
+
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs) -> None:
+        e, d, f = cfg.moe_experts or 1, cfg.d_model, cfg.ff
+        init = nnx.initializers.normal(0.02)
+        out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layers))
+        self.cfg = cfg
+        self.router = nnx.Param(init(rngs.params(), (d, e)))
+        self.w_in = nnx.Param(init(rngs.params(), (e, d, f)))
+        self.w_out = nnx.Param(out_init(rngs.params(), (e, f, d)))
+        self.shared = MLP(cfg, rngs=rngs) if cfg.moe_shared_expert else None
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        cfg = self.cfg
+        params = {"router": self.router[...], "w_in": self.w_in[...], "w_out": self.w_out[...]}
+        y, stats = dt.nn.moe(
+            x,
+            params,
+            top_k=cfg.moe_top_k,
+            capacity_factor=cfg.moe_capacity_factor,
+        )
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y, stats
+
+
 class Block(nnx.Module):
-    """Pre-norm transformer block."""
+    """Pre-norm transformer block; a mixture-of-experts block also returns its routing
+    statistics."""
 
     def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs) -> None:
         dt = _DTYPES[cfg.dtype]
         self.norm1 = nnx.LayerNorm(cfg.d_model, dtype=dt, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.norm2 = nnx.LayerNorm(cfg.d_model, dtype=dt, rngs=rngs)
-        self.mlp = MLP(cfg, rngs=rngs)
+        self.mlp: MLP | MoE = MoE(cfg, rngs=rngs) if cfg.moe_experts else MLP(cfg, rngs=rngs)
 
-    def __call__(self, x: jax.Array, ctx: Context) -> jax.Array:
+    def __call__(self, x: jax.Array, ctx: Context) -> Any:
         x = x + self.attn(self.norm1(x), ctx)
+        if isinstance(self.mlp, MoE):
+            y, stats = self.mlp(self.norm2(x))
+            return x + y, stats
         return x + self.mlp(self.norm2(x))
 
 
@@ -317,7 +397,8 @@ class Transformer(nnx.Module):
         tokens: jax.Array,
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
-    ) -> jax.Array:
+        return_aux: bool = False,
+    ) -> Any:
         cfg = self.cfg
         t = tokens.shape[-1]
         if t > cfg.seq_len:
@@ -333,14 +414,20 @@ class Transformer(nnx.Module):
         else:
             rope = rope_tables(pos, cfg.head_dim)
         ctx = Context(rope, segment_ids, positions)
+        stats: list[dict[str, jax.Array]] = []
         if cfg.pipeline_microbatches is not None:
             x = self._pipelined(x, ctx)
         else:
             call = _remat(cfg.remat)
             for block in self.blocks:
-                x = constrain_hidden(call(block, x, ctx))
+                out = call(block, x, ctx)
+                if cfg.moe_experts:
+                    out, block_stats = out
+                    stats.append(block_stats)
+                x = constrain_hidden(out)
         # The tied head in the compute dtype; logits (and so the loss) in float32.
-        return self.embed.attend(self.norm(x)).astype(jnp.float32)
+        logits = self.embed.attend(self.norm(x)).astype(jnp.float32)
+        return (logits, _moe_aux(cfg, stats)) if return_aux else logits
 
     def _pipelined(self, x: jax.Array, ctx: Context) -> jax.Array:
         """The stacked blocks through ``dt.nn.pipeline``; ``ctx`` (per row) goes with
@@ -364,11 +451,23 @@ class Transformer(nnx.Module):
         )
 
 
-def _call_block(block: Block, x: jax.Array, ctx: Context) -> jax.Array:
+def _call_block(block: Block, x: jax.Array, ctx: Context) -> Any:
     return block(x, ctx)
 
 
-def _remat(name: str) -> Callable[[Block, jax.Array, Context], jax.Array]:
+def _moe_aux(cfg: LMConfig, stats: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+    """The blocks' routing statistics averaged, and ``moe_loss`` (empty: a dense model)."""
+    if not stats:
+        return {}
+    aux = {k: jnp.mean(jnp.stack([s[k] for s in stats]), axis=0) for k in stats[0]}
+    aux["moe_loss"] = (
+        cfg.moe_balance_weight * aux["load_balancing_loss"]
+        + cfg.moe_z_weight * aux["router_z_loss"]
+    )
+    return aux
+
+
+def _remat(name: str) -> Callable[[Block, jax.Array, Context], Any]:
     """The block call under ``nnx.remat`` with policy ``name`` (plain for "none")."""
     policy = REMAT_POLICIES[name]
     if policy is None:
@@ -381,17 +480,19 @@ def transformer(*, key: jax.Array, **kwargs: Any) -> Transformer:
     return Transformer(LMConfig(**kwargs), rngs=nnx.Rngs(params=key))
 
 
-def make_apply_fn(graphdef: nnx.GraphDef) -> Callable[..., jax.Array]:
-    """``apply_fn(params, tokens, segment_ids=None, positions=None) -> logits`` for
-    ``graphdef, params = nnx.split(model)``."""
+def make_apply_fn(graphdef: nnx.GraphDef) -> Callable[..., Any]:
+    """``apply_fn(params, tokens, segment_ids=None, positions=None, return_aux=False) ->
+    logits`` (``(logits, aux)`` with ``return_aux``) for ``graphdef, params =
+    nnx.split(model)``."""
 
     def apply_fn(
         params: Any,
         tokens: jax.Array,
         segment_ids: jax.Array | None = None,
         positions: jax.Array | None = None,
-    ) -> jax.Array:
-        return nnx.merge(graphdef, params)(tokens, segment_ids, positions)
+        return_aux: bool = False,
+    ) -> Any:
+        return nnx.merge(graphdef, params)(tokens, segment_ids, positions, return_aux)
 
     return apply_fn
 
@@ -399,16 +500,25 @@ def make_apply_fn(graphdef: nnx.GraphDef) -> Callable[..., jax.Array]:
 def count_params(cfg: LMConfig) -> dict[str, int]:
     """Parameter counts from the shapes (no arrays allocated).
 
-    Returns ``{"total": ..., "position": ..., "matmul": ...}``: ``position`` is the
-    learned position table (0 with rope), ``matmul`` = total - position, the
-    parameters that take part in a matrix product per token (the token table does, as
-    the tied output head; norms and biases are counted too, a <0.1% overestimate).
+    Returns ``{"total": ..., "position": ..., "matmul": ..., "expert": ...}``:
+    ``position`` is the learned position table (0 with rope), ``matmul`` the
+    parameters that take part in a matrix product per token: total - position, and of a
+    mixture of experts' ``expert`` parameters only the ``moe_top_k / moe_experts`` a
+    token uses (the token table takes part, as the tied output head; norms and biases
+    are counted too, a <0.1% overestimate).
     """
     abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
     params = nnx.state(abstract, nnx.Param)
     total = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
     position = cfg.seq_len * cfg.d_model if cfg.positions == "learned" else 0
-    return {"total": total, "position": position, "matmul": total - position}
+    expert = 2 * cfg.n_layers * (cfg.moe_experts or 0) * cfg.d_model * cfg.ff
+    active = expert * cfg.moe_top_k // cfg.moe_experts if cfg.moe_experts else 0
+    return {
+        "total": total,
+        "position": position,
+        "matmul": total - position - expert + active,
+        "expert": expert,
+    }
 
 
 def flops_per_token(cfg: LMConfig, seq_len: int | None = None) -> float:

@@ -58,26 +58,31 @@ class Perplexity(dt.metrics.WeightedMean):
 
 def _token_losses(
     params: Any, batch: dict[str, jax.Array], apply_fn: ApplyFn, mask_key: str
-) -> tuple[jax.Array, jax.Array | None]:
-    """Per-token cross-entropy ``[B, T]`` and the token weights (``None``: all count)."""
+) -> tuple[jax.Array, jax.Array | None, dict[str, jax.Array]]:
+    """Per-token cross-entropy ``[B, T]``, the token weights (``None``: all count) and
+    the model's auxiliary outputs (a mixture of experts' routing statistics; ``{}``)."""
     weights = None
     if "inputs" in batch:  # packed rows: documents kept apart, padding weighs 0
         seg = batch["segment_ids"].astype(jnp.int32)
-        logits = apply_fn(
-            params, batch["inputs"].astype(jnp.int32), seg, batch["positions"].astype(jnp.int32)
+        logits, aux = apply_fn(
+            params,
+            batch["inputs"].astype(jnp.int32),
+            seg,
+            batch["positions"].astype(jnp.int32),
+            return_aux=True,
         )
         targets = batch["targets"].astype(jnp.int32)
         weights = (seg > 0).astype(jnp.float32)
     else:
         tokens = batch["tokens"].astype(jnp.int32)  # uint8 rows of seq_len + 1 bytes
-        logits = apply_fn(params, tokens[:, :-1])
+        logits, aux = apply_fn(params, tokens[:, :-1], return_aux=True)
         targets = tokens[:, 1:]
     per_token = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
     mask = batch.get(mask_key) if mask_key else None
     if mask is not None:  # padded rows of a partial batch: [B] -> every token of the row
         rows = jnp.broadcast_to(mask.astype(per_token.dtype)[:, None], per_token.shape)
         weights = rows if weights is None else weights * rows
-    return per_token, weights
+    return per_token, weights, aux
 
 
 def train_step(
@@ -87,21 +92,33 @@ def train_step(
     apply_fn: ApplyFn,
     mask_key: str = "mask",
 ) -> tuple[dt.TrainState, dict[str, Any]]:
-    """One per-replica step of next-byte prediction; metrics: ``loss`` (mean per token)."""
+    """One per-replica step of next-byte prediction; metrics: ``loss`` (mean per token)
+    and, for a mixture of experts, ``moe_balance`` (the load-balancing loss),
+    ``moe_dropped`` (the share of choices a capacity dropped) and ``moe_load_cv`` (the
+    coefficient of variation of the experts' load), means over the blocks."""
 
-    def loss_fn(params: Any) -> tuple[jax.Array, tuple[jax.Array, jax.Array | None]]:
-        per_token, weights = _token_losses(params, batch, apply_fn, mask_key)
+    def loss_fn(params: Any) -> tuple[jax.Array, Any]:
+        per_token, weights, aux = _token_losses(params, batch, apply_fn, mask_key)
         if weights is None:
             # Every row has seq_len tokens: the mean of the rows' means is the mean per
             # token, divided by the global batch's rows (no collective; under gradient
             # accumulation by the whole update's rows).
-            return dt.compute_average_loss(per_token.mean(-1)), (per_token, None)
-        # Divide by the real tokens over all replicas (one scalar all-reduce).
-        return dt.compute_average_loss(per_token, mask=weights), (per_token, weights)
+            loss = dt.compute_average_loss(per_token.mean(-1))
+        else:  # divide by the real tokens over all replicas (one scalar all-reduce)
+            loss = dt.compute_average_loss(per_token, mask=weights)
+        if aux:  # each replica's own routing statistics, averaged over the replicas
+            loss = loss + dt.scale_regularization_loss(aux["moe_loss"])
+        return loss, (per_token, weights, aux)
 
-    grads, (per_token, weights) = jax.grad(loss_fn, has_aux=True)(state.params)
+    grads, (per_token, weights, aux) = jax.grad(loss_fn, has_aux=True)(state.params)
     state = state.apply_gradients(grads=grads)  # gradients summed over replicas
-    return state, {"loss": dt.metrics.Mean.from_values(per_token, mask=weights)}
+    metrics: dict[str, Any] = {"loss": dt.metrics.Mean.from_values(per_token, mask=weights)}
+    if aux:
+        load = aux["expert_load"]
+        metrics["moe_balance"] = dt.metrics.Mean.from_values(aux["load_balancing_loss"])
+        metrics["moe_dropped"] = dt.metrics.Mean.from_values(aux["dropped_fraction"])
+        metrics["moe_load_cv"] = dt.metrics.Mean.from_values(jnp.std(load) / jnp.mean(load))
+    return state, metrics
 
 
 def eval_step(
@@ -112,7 +129,7 @@ def eval_step(
     mask_key: str = "mask",
 ) -> dict[str, Any]:
     """Held-out ``loss`` (mean per token) and ``perplexity``; padded rows do not count."""
-    per_token, weights = _token_losses(state.params, batch, apply_fn, mask_key)
+    per_token, weights, _ = _token_losses(state.params, batch, apply_fn, mask_key)
     return {
         "loss": dt.metrics.Mean.from_values(per_token, mask=weights),
         "perplexity": Perplexity.from_values(per_token, mask=weights),
