@@ -301,3 +301,27 @@ def test_islands_toy_runs(tmp_path):
     assert result["dp_bytes_per_step"] > 0
     assert set(result["runs"]) == {"data_parallel", "diloco_h5"}
     assert all(math.isfinite(r["final"]) for runs in result["runs"].values() for r in runs)
+
+
+def test_experts_toy_runs(tmp_path):
+    """benchmarks/experts.py --toy: expert bytes per device at 1/X of one device, the MoE
+    and dense LMs' tokens/s, and the expert load's variation by window with and without
+    the load-balancing loss."""
+    out = tmp_path / "experts.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.experts", "--toy", "--json", str(out)],
+        cwd=ROOT, env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    assert [r["expert_axis"] for r in result["memory"]] == [2, 4, 8]
+    assert all(r["fraction"] == pytest.approx(r["target"], rel=0.05) for r in result["memory"])
+    speed = result["speed"]
+    active = speed["active_matmul_params"]  # equal but for the router and the biases
+    assert active["moe"] == pytest.approx(active["dense"], rel=0.02)
+    assert all(v > 0 for v in speed["tokens_per_sec"].values())
+    runs = result["balance"]["runs"]
+    assert set(runs) == {"balance_loss_0.01", "balance_loss_0"}
+    assert all(len(r["moe_load_cv_by_window"]) == 2 for r in runs.values())
+    assert "expert load CV" in proc.stdout

@@ -213,6 +213,7 @@ with CheckpointManager(sys.argv[1]) as mgr:
 """
 
 
+@pytest.mark.one_end("newest")  # a slow test: see tests/conftest.py
 def test_a_damaged_array_store_gives_one_warning_in_a_fresh_process(tmp_path):
     """orbax's failed reads used to print ~20 'Event loop is closed' tracebacks (in about
     half the runs): three fresh processes each print the fallback warning and no more."""

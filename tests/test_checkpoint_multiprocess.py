@@ -19,6 +19,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from jax.sharding import NamedSharding, SingleDeviceSharding
 from jax.sharding import PartitionSpec as P
 
@@ -89,6 +90,7 @@ def _expected(step):
     return w, s
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_sigterm_to_one_process_stops_all_at_the_same_step_and_both_resume(tmp_path, devices):
     ckpt = tmp_path / "ckpt"
     seen = {0: [], 1: []}

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import jax.numpy as jnp
+import pytest
 
 from distrain.checkpoint import CheckpointManager
 
@@ -93,6 +94,7 @@ def _launch(tmp_path, script, timeout=150):
     return proc.returncode, out.decode(errors="replace")
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_model_checkpoint_and_backup_save_together_on_two_processes(tmp_path):
     code, log = _launch(tmp_path, _TWO_MANAGERS)
     assert code == 0, log[-4000:]
@@ -104,6 +106,7 @@ def test_model_checkpoint_and_backup_save_together_on_two_processes(tmp_path):
         assert mgr.all_steps() == [23, 24]
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_restore_from_directories_that_are_not_shared_is_a_clear_error(tmp_path):
     with CheckpointManager(tmp_path / "node0", async_save=False) as mgr:
         mgr.save(5, {"w": jnp.ones(3)})

@@ -89,6 +89,7 @@ def reference(tmp_path_factory):
     return _params(tmp / "ref.npz")
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_sigkill_at_several_points_resumes_bit_exact(tmp_path, reference):
     ckpt = tmp_path / "ckpt"
 
@@ -117,6 +118,7 @@ def test_sigkill_at_several_points_resumes_bit_exact(tmp_path, reference):
     _assert_bit_identical(_params(tmp_path / "d.npz"), reference)
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_nan_is_never_checkpointed_and_sigterm_saves_then_resumes_bit_exact(tmp_path, reference):
     ckpt = tmp_path / "ckpt"
 
@@ -146,6 +148,7 @@ def test_nan_is_never_checkpointed_and_sigterm_saves_then_resumes_bit_exact(tmp_
     _assert_bit_identical(_params(tmp_path / "resume.npz"), reference)
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_resume_on_fewer_devices_continues_the_same_data_order(tmp_path, reference):
     """Written on 8 devices, continued on 4 with the same global batch: the same batches,
     so the same parameters up to the order of floating-point sums (not bit for bit)."""

@@ -82,6 +82,7 @@ def _collected(end: str, *files: str) -> subprocess.CompletedProcess:
     )
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_one_end_tests_are_collected_on_their_end_only():
     files = ("tests/test_launch.py", "tests/test_benchmarks.py")  # newest, lowest
     ids = {}
@@ -94,6 +95,7 @@ def test_one_end_tests_are_collected_on_their_end_only():
     assert ids["newest"] == {"tests/test_launch.py"}
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_split_ends_variants_alternate_between_the_ends():
     """Each end runs half of a split test's cases, together all of them, none twice."""
     name = "test_split_attention_equals_the_whole_float32"

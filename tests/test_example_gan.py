@@ -126,6 +126,7 @@ def _raw(x):
     return np.asarray(x)
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_replicas_that_span_two_devices_train_as_one_device_replicas(devices):
     """The GAN's step (two optimizers, n_critic discriminator steps) unchanged on 4
     replicas of 2 devices each equals 4 replicas of one device each."""

@@ -314,6 +314,7 @@ def _fit(strategy, model, train_rows, steps, callbacks=()):
     return jax.device_get(state.params), history.history["loss"][-1]
 
 
+@pytest.mark.one_end("newest")  # a slow test: see tests/conftest.py
 def test_one_eight_and_sharded_replicas_agree_after_two_steps(devices, strategy8, model, splits):
     one = _fit(dt.MirroredStrategy(devices[:1]), model, splits["train"], 2)
     eight = _fit(strategy8, model, splits["train"], 2)
@@ -408,6 +409,7 @@ def test_distrain_train_runs_the_tiny_config(devices):
     assert any(line.startswith("final test: loss=") for line in lines)
 
 
+@pytest.mark.one_end("newest")  # a slow test: see tests/conftest.py
 def test_gpt2_small_trains_with_fsdp_over_eight_devices(devices, splits):
     """GPT-2 small's 124M parameters (seq 16 to keep CPU time low) as one replica over 8
     devices: every large leaf is split 8 ways, the step fits in ~1/8 of the state per
@@ -475,6 +477,7 @@ def piped_one_device(devices, piped_model, splits):
     return _fit(dt.MirroredStrategy(devices[:1]), piped_model, splits["train"], 2)
 
 
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 @pytest.mark.parametrize(
     "n_devices, mesh, accum",
     [(4, {"stage": 4}, 1), (8, {"stage": 4}, 2), (8, {"stage": 2, "fsdp": 2}, 1)],
@@ -508,6 +511,7 @@ def test_pipelined_lm_trains_as_the_unpipelined_model(
     )
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_a_pipelined_checkpoint_restores_on_one_device_and_back(
     devices, piped_model, splits, tmp_path
 ):
@@ -537,6 +541,7 @@ def test_a_pipelined_checkpoint_restores_on_one_device_and_back(
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(back.state.params), saved)
 
 
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 @pytest.mark.parametrize("microbatches", [None, 2], ids=["blocks", "pipelined"])
 def test_every_remat_policy_trains_as_without_remat(devices, splits, microbatches):
     """Remat changes what is kept for the backward pass, never the result: two SGD steps

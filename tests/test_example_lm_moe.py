@@ -39,6 +39,7 @@ def close(a, b):  # only the summation order differs
     jax.tree.map(lambda u, v: np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6), a, b)
 
 
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 @pytest.mark.parametrize(
     "replicas, inner",
     [(1, {"expert": 4}), (2, {"expert": 2, "fsdp": 2})],

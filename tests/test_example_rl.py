@@ -93,6 +93,7 @@ def strategy(devices):
     return dt.MirroredStrategy()
 
 
+@pytest.mark.one_end("newest")  # a slow test: see tests/conftest.py
 def test_one_iteration_is_distributed(strategy):
     assert strategy.num_replicas_in_sync == 8
     graphdef, state = rl.init_state(TINY)
@@ -149,6 +150,7 @@ def test_time_limit_bootstrap_adds_the_value_of_the_final_state(devices):
     assert float(boot.reward[0, 0]) != 1.0  # 1 + 0.9 * V(final state) for the truncated env
 
 
+@pytest.mark.one_end("newest")  # a slow test: see tests/conftest.py
 def test_a3c_runs_asynchronously_on_a_parameter_server(devices):
     from examples.rl import a3c
 
@@ -169,6 +171,7 @@ def test_a3c_runs_asynchronously_on_a_parameter_server(devices):
     assert max(jax.tree.leaves(moved)) > 0
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_replicas_that_span_two_devices_train_as_one_device_replicas(devices):
     """PPO's step (rollouts with lax.scan, epochs of minibatches) unchanged on 4 replicas
     of 2 devices each equals 4 replicas of one device each."""

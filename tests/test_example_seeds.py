@@ -109,6 +109,7 @@ def test_make_or_restore_continuation_equals_one_run(tmp_path, strategy):
     _assert_trees_equal(again.state.params, once.state.params)
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 @pytest.mark.one_end("newest")  # a real process; see tests/conftest.py
 def test_make_or_restore_survives_sigkill(tmp_path, strategy, capsys):
     """A real process is SIGKILLed mid-run; the same command finishes the run exactly."""
@@ -171,6 +172,7 @@ def test_make_or_restore_errors(tmp_path, devices):
 
 
 # ---------------------------------------------------------------------- seed 003 speed test
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 @pytest.mark.one_end("newest")  # a real process; see tests/conftest.py
 def test_speed_test_prints_both_timings(capsys):
     from examples.speed_test import main
@@ -215,6 +217,7 @@ def test_mobilenet_v2_has_the_keras_parameter_count():
         MobileNetV2(2, 0.0, rngs=nnx.Rngs(0))
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_mobilenet_v2_step_learns_and_keeps_batch_stats_replicated(strategy):
     from examples.mobilenet_v2 import data, train
 
@@ -234,6 +237,7 @@ def test_mobilenet_v2_step_learns_and_keeps_batch_stats_replicated(strategy):
     assert int(state.step) == 6
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_mobilenet_v2_sync_batch_norm_matches_one_device(strategy, devices):
     """With --sync-batch-norm, 8 replicas normalise over the global batch: one step
     gives the loss and parameters of one device on the whole batch."""

@@ -135,6 +135,7 @@ def test_an_uncaught_error_ends_every_process_within_seconds_by_default(failing)
     assert "Gloo all-reduce failed" in peer_log or "JAX distributed service" in peer_log
 
 
+@pytest.mark.one_end("newest")  # a slow test: see tests/conftest.py
 def test_a_finished_process_waiting_for_a_dead_peer_exits_within_the_heartbeat_timeout():
     # Process 0 finishes after step 3 and waits in JAX's shutdown barrier for process 1,
     # which is SIGKILLed there: no collective notices, only the missing heartbeats do

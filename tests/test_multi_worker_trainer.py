@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "mw_trainer.py")
 
@@ -42,6 +43,7 @@ def run(argv: list[str], env: dict[str, str], timeout: float = 120) -> str:
     return log
 
 
+@pytest.mark.one_end("newest")  # a slow test: see tests/conftest.py
 def test_trainer_on_two_processes_matches_one_and_only_the_chief_logs(tmp_path):
     one, two = tmp_path / "one", tmp_path / "two"
     one.mkdir()

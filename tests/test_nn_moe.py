@@ -145,6 +145,7 @@ def _through(strategy, x, p, **kw):
     return [jax.device_get(r) for r in strategy.experimental_local_results(out)]
 
 
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 @pytest.mark.parametrize(
     "replicas, inner, kw",
     [

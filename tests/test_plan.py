@@ -27,6 +27,7 @@ def plan(*args, timeout=240):
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_plan_gives_the_allocated_state_bytes_and_a_verdict(devices):
     out = plan(*TINY, "--devices", "8", "--device-memory", "1GiB", "--json")
     assert out.returncode == 0, out.stderr

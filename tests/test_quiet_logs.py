@@ -135,6 +135,7 @@ def run_cli(tmp_path, *extra):
     return proc.returncode, err
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_distrain_train_verbose_lets_the_libraries_info_logs_through(tmp_path):
     code, err = run_cli(tmp_path)
     assert code == 0, err[-3000:]

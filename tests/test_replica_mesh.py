@@ -225,6 +225,7 @@ def _assert_params_equal(got, want, exact=False):
             np.testing.assert_allclose(got[name], want[name], rtol=2e-5, atol=2e-6)
 
 
+@pytest.mark.one_end("newest")  # a slow test: see tests/conftest.py
 def test_one_replica_over_two_processes_equals_mirrored(tmp_path, mirrored_1x8):
     """devices_per_replica=8 on 2 processes x 4 devices: one replica across both; each
     process holds half of the state that one process of 8 devices holds."""
@@ -238,6 +239,7 @@ def test_one_replica_over_two_processes_equals_mirrored(tmp_path, mirrored_1x8):
         assert "rows per replica (12 // 1 = 12) must be divisible by 8" in str(got["refused"])
 
 
+@pytest.mark.one_end("newest")  # a slow test: see tests/conftest.py
 def test_a_checkpointed_2d_mesh_across_processes_restores_anywhere_and_resumes_exactly(
     tmp_path, devices, mirrored_1x8
 ):

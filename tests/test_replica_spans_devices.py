@@ -133,6 +133,7 @@ def test_memory_falls_with_devices_per_replica(devices):
     assert report[8][1] < 0.35 * report[1][1]
 
 
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 @pytest.mark.parametrize("k", [4, 8, {"fsdp": 4, "tensor": 2}], ids=["4", "8", "fsdp4_tensor2"])
 def test_trainer_features_equal_mirrored(devices, k):
     """fit (steps_per_execution, grad_accum_steps, mixed precision, device-resident and
@@ -302,6 +303,7 @@ def test_errors(devices):
         strategy.memory_analysis(42)
 
 
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 @pytest.mark.parametrize("k", ["4", "process"])
 def test_two_processes_of_four_devices_match_one_of_eight(tmp_path, k):
     """One replica per process (k=4 or 'process': HSDP) on 2 processes x 4 devices

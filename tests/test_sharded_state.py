@@ -147,6 +147,7 @@ def train_1x8_and_2x4(tmp_path, ref_args, worker_args):
     return results[0], results[1:]
 
 
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 @pytest.mark.parametrize(
     "extra, cols",
     [

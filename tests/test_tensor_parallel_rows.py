@@ -25,6 +25,7 @@ WARNING = "Involuntary full rematerialization"
 TP = {"w1": P("fsdp", "tensor"), "w2": P("tensor", None)}
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_a_tensor_parallel_fit_reshards_no_rows(tmp_path):
     """docs/scaling.md's {"fsdp": 4, "tensor": 2} layout, from host and from
     device-resident input (the gather and the padding mask inside the step): before,
