@@ -134,7 +134,8 @@ def speed(cfg: LMConfig, batch: int, steps: int, rounds: int) -> dict[str, Any]:
 def balance(
     cfg: LMConfig, batch: int, steps: int, log_every: int, documents: int
 ) -> dict[str, Any]:
-    corpus = lm_data.python_corpus(0.01, max_documents=documents)
+    # Only "train" is used; a few documents need a larger held-out share to split at all.
+    corpus = lm_data.python_corpus(0.01 if documents >= 400 else 0.2, max_documents=documents)
     rows = {"tokens": lm_data.pack(corpus["train"], cfg.seq_len)}
     out = {}
     for name, weight in (("balance_loss_0.01", 0.01), ("balance_loss_0", 0.0)):

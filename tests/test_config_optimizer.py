@@ -409,7 +409,7 @@ def test_padded_rows_give_the_models_losses_of_whole_rows():
     from examples.lm.data import pack, pack_stream
 
     losses = jax.jit(lambda p, batch: _token_losses(p, batch, apply_fn, "mask"))
-    lp, w = losses(params, {k: jnp.asarray(v) for k, v in pack_stream(text, 16).items()})
-    lt, _ = losses(params, {"tokens": jnp.asarray(pack([text], 16))})
+    lp, w, _ = losses(params, {k: jnp.asarray(v) for k, v in pack_stream(text, 16).items()})
+    lt, _, _ = losses(params, {"tokens": jnp.asarray(pack([text], 16))})
     np.testing.assert_allclose(lp[:3], lt, rtol=1e-5, atol=1e-6)
     assert w is not None and float(w.sum()) == len(text) - 1

@@ -218,7 +218,7 @@ def test_gpt2_small_config_has_gpt2_small_shapes():
     assert s.model.dtype == "bfloat16" and s.model.seq_len == 1024
     n = count_params(s.model)
     # nanoGPT's GPT-2 small with the vocabulary padded to 50304: 124,475,904.
-    assert n == {"total": 124_475_904, "position": 786_432, "matmul": 123_689_472}
+    assert n == {"total": 124_475_904, "position": 786_432, "matmul": 123_689_472, "expert": 0}
     assert flops_per_token(s.model) == 6 * 123_689_472 + 12 * 12 * 1024 * 768
 
 
