@@ -7,8 +7,9 @@ decides how it runs:
 * no ``"expert"`` axis of size > 1 in the context mesh (plain ``jax.jit``, one device, a
   replica without that axis): every expert on every device. The ``T x k`` (token,
   choice) pairs are sorted by expert and each expert weight is one
-  ``jax.lax.ragged_dot`` over the sorted rows, so no token is dropped and no expert
-  computes padding;
+  ``jax.lax.ragged_dot`` over the sorted rows, so no token is dropped (a grouped kernel
+  on GPUs; XLA:CPU computes every group's weight over every row, ``E / k`` times the
+  FLOPs: benchmarks/experts.py);
 * inside a step whose replica has ``devices_per_replica={"expert": X, ...}``: a
   ``shard_map`` manual over ``"expert"`` only (other axes stay with XLA's partitioner).
   Each device holds ``E / X`` experts (lay the expert weights out with a ``P("expert")``
