@@ -208,12 +208,22 @@ def _stats(
 
 
 def _routed(x: jax.Array, router: jax.Array, route_kw: dict[str, Any]) -> Any:
+    """The call's (token, choice) pairs sorted by expert (token order within one):
+    ``(experts, weights, tokens)`` of the sorted pairs, ``sizes`` [E] (pairs per expert),
+    the scores ``[T, E]`` and the sum of squared router log-normalisers (the z-loss's)."""
     logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
     weights, chosen, scores = route(logits, **route_kw)
     z = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)
-    flat_e, flat_w = chosen.reshape(-1), weights.reshape(-1)
-    order = jnp.argsort(flat_e, stable=True)  # by expert; token order within one
-    return flat_e, flat_w, order, scores, z
+    flat_e = chosen.reshape(-1)
+    order = jnp.argsort(flat_e, stable=True)
+    sizes = jnp.bincount(flat_e, length=router.shape[-1]).astype(jnp.int32)
+    tokens = order // route_kw["top_k"]
+    return flat_e[order], weights.reshape(-1)[order], tokens, sizes, scores, z
+
+
+def _combine(x: jax.Array, ys: jax.Array, weights: jax.Array, tokens: jax.Array) -> jax.Array:
+    """Each token's output: its pairs' expert outputs ``ys`` weighted and summed."""
+    return jnp.zeros_like(x).at[tokens].add(ys * weights.astype(ys.dtype)[:, None])
 
 
 def _local(
@@ -225,16 +235,10 @@ def _local(
     act: Callable,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Every expert here: sort, one ragged_dot per weight, unsort."""
-    k, e = route_kw["top_k"], router.shape[-1]
-    flat_e, flat_w, order, scores, z = _routed(x, router, route_kw)
-    sorted_e = flat_e[order]
-    sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
-    keep = _kept(sorted_e, sizes, jnp.zeros_like(sizes), capacity)
-    token = order // k
-    ys = _mlp(x[token], sizes, w, act)
-    gate = (flat_w[order] * keep).astype(ys.dtype)
-    y = jnp.zeros_like(x).at[token].add(ys * gate[:, None])
-    stats = _stats(sizes, jnp.sum(scores, 0), z, jnp.sum(~keep), x.shape[0], k)
+    experts, weights, tokens, sizes, scores, z = _routed(x, router, route_kw)
+    keep = _kept(experts, sizes, jnp.zeros_like(sizes), capacity)
+    y = _combine(x, _mlp(x[tokens], sizes, w, act), weights * keep, tokens)
+    stats = _stats(sizes, jnp.sum(scores, 0), z, jnp.sum(~keep), x.shape[0], route_kw["top_k"])
     return y, stats
 
 
@@ -250,22 +254,18 @@ def _split(
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """One device's part under the ``axis`` shard_map: its tokens ``x`` [T / X, D], its
     experts ``w`` [E / X, ...]; tokens go to their experts' devices and back."""
-    k, e = route_kw["top_k"], router.shape[-1]
-    local_e = e // devices
-    me = jax.lax.axis_index(axis)
-    flat_e, flat_w, order, scores, z = _routed(x, router, route_kw)
-    n = flat_e.shape[0]  # T / X * k choices
-    sorted_e = flat_e[order]
-    sizes = jnp.bincount(flat_e, length=e).astype(jnp.int32)
-    every = jax.lax.all_gather(sizes, axis)  # [X, E]: earlier devices' choices first
-    keep = _kept(sorted_e, sizes, jnp.cumsum(every, 0)[me] - sizes, capacity)
-    # Where each choice goes: device `dest`, slot `slot` of its block.
-    dest = sorted_e // local_e
+    local_e = router.shape[-1] // devices
+    experts, weights, tokens, sizes, scores, z = _routed(x, router, route_kw)
+    n = experts.shape[0]  # T / X * k pairs
+    every = jax.lax.all_gather(sizes, axis)  # [X, E]: earlier devices' pairs first
+    before = jnp.cumsum(every, 0)[jax.lax.axis_index(axis)] - sizes
+    keep = _kept(experts, sizes, before, capacity)
+    # Where each pair goes: device `dest`, slot `slot` of its block.
+    dest = experts // local_e
     per_dest = sizes.reshape(devices, local_e).sum(1)
     slot = jnp.arange(n) - (jnp.cumsum(per_dest) - per_dest)[dest]
-    token = order // k
-    send = jnp.zeros((devices, n, x.shape[-1]), x.dtype).at[dest, slot].set(x[token])
-    ids = jnp.full((devices, n), local_e, jnp.int32).at[dest, slot].set(sorted_e % local_e)
+    send = jnp.zeros((devices, n, x.shape[-1]), x.dtype).at[dest, slot].set(x[tokens])
+    ids = jnp.full((devices, n), local_e, jnp.int32).at[dest, slot].set(experts % local_e)
     got = jax.lax.all_to_all(send, axis, 0, 0, tiled=True).reshape(devices * n, -1)
     got_ids = jax.lax.all_to_all(ids, axis, 0, 0, tiled=True).reshape(-1)
     # Here: group what arrived by local expert (padding, id local_e, last: zeros).
@@ -274,9 +274,7 @@ def _split(
     out = _mlp(got[by_expert], here, w, act)
     out = jnp.zeros_like(out).at[by_expert].set(out).reshape(devices, n, -1)
     back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)  # block d: what d computed
-    ys = back[dest, slot]
-    gate = (flat_w[order] * keep).astype(ys.dtype)
-    y = jnp.zeros_like(x).at[token].add(ys * gate[:, None])
+    y = _combine(x, back[dest, slot], weights * keep, tokens)
     total = lambda v: jax.lax.psum(v, axis)  # noqa: E731
     stats = _stats(
         total(sizes),
@@ -284,7 +282,7 @@ def _split(
         total(z),
         total(jnp.sum(~keep)),
         x.shape[0] * devices,
-        k,
+        route_kw["top_k"],
     )
     return y, stats
 
