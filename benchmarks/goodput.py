@@ -1,18 +1,25 @@
 """What failures cost a run: goodput of a real multi-process job under SIGKILLs.
 
 Runs ``distrain launch --nproc N --max-restarts K -- distrain train --config CONFIG``
-(``MultiWorkerMirroredStrategy``, ``BackupAndRestore`` every ``--backup-freq`` steps,
-the goodput ledger in the run's logging directory), SIGKILLs one worker every
-``--kill-every`` seconds while it trains, and reads the ledger back
-(``dt.goodput.report``): the buckets, goodput, the steps lost per failure, the share of
-wall time the loop was blocked in saves, and how the ledger's wall time compares with
-the one measured here.
+(``MultiWorkerMirroredStrategy``, the goodput ledger in the run's logging directory),
+SIGKILLs one worker every ``--kill-every`` seconds while it trains, and reads the
+ledger back (``dt.goodput.report``): the buckets, goodput, the steps lost per failure,
+the share of wall time the loop was blocked in saves, the restores' tiers and
+seconds, and how the ledger's wall time compares with the one measured here.
+
+Two arms, one after the other, each its own job with the same kills:
+  * ``local``: ``BackupAndRestore`` with a local tier (``checkpoint.local_dir`` in the
+    run's directory, a backup every ``--local-freq`` steps) and a persistent backup
+    every ``--persistent-freq`` steps;
+  * ``persistent``: persistent backups only, every ``--backup-freq`` steps.
+Both use JAX's persistent compilation cache (``--no-compile-cache`` to turn it off),
+shared by the attempts of an arm.
 
 Usage:
   python -m benchmarks.goodput                      # configs/lm_tiny.yaml, kills every 120 s
   python -m benchmarks.goodput --toy                # the quickstart, one kill (a smoke run)
 
-Writes benchmarks/results/goodput.json (``--out``) and the timeline next to it.
+Writes benchmarks/results/goodput.json (``--out``) and the local arm's timeline next to it.
 """
 
 from __future__ import annotations
@@ -41,23 +48,17 @@ def _workers(launcher_pid: int) -> list[int]:
     return [c.pid for c in children if "train" in " ".join(c.cmdline())]
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--config", default="configs/lm_tiny.yaml")
-    p.add_argument("--steps", type=int, default=2000, help="train.steps")
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--kill-every", type=float, default=120.0, help="seconds between SIGKILLs")
-    p.add_argument("--max-kills", type=int, default=5)
-    p.add_argument("--backup-freq", type=int, default=50, help="BackupAndRestore every N steps")
-    p.add_argument("--toy", action="store_true", help="the quickstart, one kill (smoke run)")
-    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "goodput.json"))
-    args = p.parse_args(argv)
-    overrides = [f"train.steps={args.steps}"]
-    if args.toy:
-        args.config, args.kill_every, args.max_kills = "configs/quickstart.yaml", 0.0, 1
-        overrides = ["train.epochs=30", "train.validation_freq=100"]
-
+def _run_arm(args: argparse.Namespace, overrides: list[str], local: bool) -> dict:
+    """One job under the kills; its ledger's figures."""
     work = Path(tempfile.mkdtemp(prefix="goodput-"))
+    if local:
+        tier = [
+            f"checkpoint.backup_freq={args.persistent_freq}",
+            f"checkpoint.local_dir={work / 'local'}",
+            f"checkpoint.local_freq={args.local_freq}",
+        ]
+    else:
+        tier = [f"checkpoint.backup_freq={args.backup_freq}"]
     cmd = [
         os.path.join(os.path.dirname(sys.executable), "distrain"),
         "launch",
@@ -73,12 +74,16 @@ def main(argv: list[str] | None = None) -> int:
         "--no-progress",
         "strategy.name=multi_worker_mirrored",
         f"checkpoint.backup_dir={work / 'backup'}",
-        f"checkpoint.backup_freq={args.backup_freq}",
+        *tier,
         f"logging.dir={work}",
         "logging.goodput_interval=0.1",
         *overrides,
     ]
     env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+    if args.compile_cache:
+        env["JAX_COMPILATION_CACHE_DIR"] = str(work / "xla-cache")
+        env["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+        env["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     began = time.time()
     proc = subprocess.Popen(
         cmd,
@@ -90,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         start_new_session=True,
     )
     kills: list[float] = []
+    first_save = min(args.local_freq if local else args.backup_freq, args.backup_freq)
 
     def trained_past(step: int, killed: set[str]) -> str | None:
         """The attempt that has trained past ``step`` and was not killed yet, if any."""
@@ -113,7 +119,7 @@ def main(argv: list[str] | None = None) -> int:
         since = time.time()
         while proc.poll() is None and len(kills) < args.max_kills:
             time.sleep(0.2)
-            attempt = trained_past(args.backup_freq + 10, killed)
+            attempt = trained_past(first_save + 10, killed)
             if attempt is None or time.time() - since < args.kill_every:
                 continue
             pids = _workers(proc.pid)
@@ -139,10 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     import distrain as dt
 
     r = dt.goodput.report(work)
-    figures = {
-        "command": " ".join(["python -m benchmarks.goodput", *(argv or sys.argv[1:])]),
-        "config": args.config,
-        "nproc": args.nproc,
+    restores: dict[str, list[float]] = {}
+    for a in r.attempts:
+        if a.restore is not None:
+            restores.setdefault(a.restore[0], []).append(round(a.restore[1], 3))
+    return {
+        "tier": "local" if local else "persistent",
         "kills_at_s": [round(k, 1) for k in kills],
         "wall_s": r.wall_s,
         "measured_wall_s": wall,
@@ -151,23 +159,73 @@ def main(argv: list[str] | None = None) -> int:
         "goodput": r.goodput,
         "failures": r.failures,
         "lost_steps_per_failure": list(r.lost_steps_per_failure),
-        "backup_freq": args.backup_freq,
         "save_stall_fraction": r.buckets_s["checkpoint"] / r.wall_s,
-        # The local checkpoint tier (issue 39, part 2) is not built yet: every restore
-        # here reads the persistent BackupAndRestore directory.
-        "restore_local_s": None,
-        "restore_persistent_s": None,
+        "restore_s_by_tier": restores,
         "attempts": r.to_json()["attempts"],
+        "report": r,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", default="configs/lm_tiny.yaml")
+    p.add_argument("--steps", type=int, default=400, help="train.steps")
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--kill-every", type=float, default=120.0, help="seconds between SIGKILLs")
+    p.add_argument("--max-kills", type=int, default=4)
+    p.add_argument("--local-freq", type=int, default=10, help="local arm: local backup every N")
+    p.add_argument("--persistent-freq", type=int, default=500, help="local arm: persistent every N")
+    p.add_argument("--backup-freq", type=int, default=50, help="persistent arm: backup every N")
+    p.add_argument("--arms", default="local,persistent", help="which arms, comma-separated")
+    p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false")
+    p.add_argument("--toy", action="store_true", help="the quickstart, one kill (smoke run)")
+    p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "goodput.json"))
+    args = p.parse_args(argv)
+    overrides = [f"train.steps={args.steps}"]
+    if args.toy:
+        args.config, args.kill_every, args.max_kills = "configs/quickstart.yaml", 0.0, 1
+        overrides = ["train.epochs=30", "train.validation_freq=100"]
+    arms = {name: _run_arm(args, overrides, name == "local") for name in args.arms.split(",")}
+    main_arm = arms.get("local") or next(iter(arms.values()))
+    figures: dict = {
+        "command": " ".join(["python -m benchmarks.goodput", *(argv or sys.argv[1:])]),
+        "config": args.config,
+        "nproc": args.nproc,
+        "local_freq": args.local_freq,
+        "persistent_freq": args.persistent_freq,
+        "backup_freq_without_local": args.backup_freq,
+        "compile_cache": args.compile_cache,
+        # The headline fields are the local arm's (the issue's run).
+        **{k: v for k, v in main_arm.items() if k != "report"},
+        "restore_local_s": _mean(
+            main_arm["restore_s_by_tier"].get("local", [])
+            + main_arm["restore_s_by_tier"].get("peer", [])
+        ),
+        "restore_persistent_s": _mean(
+            [s for arm in arms.values() for s in arm["restore_s_by_tier"].get("persistent", [])]
+        ),
+        "arms": {
+            name: {k: v for k, v in arm.items() if k not in ("report", "attempts")}
+            for name, arm in arms.items()
+        },
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(figures, indent=1) + "\n")
-    r.plot(Path(args.out).with_suffix(".png"))
-    print(r.table())
-    print(
-        f"measured wall {wall:.1f} s; ledger buckets sum to "
-        f"{figures['buckets_sum_vs_measured']:.2%} of it; kills at {figures['kills_at_s']} s"
-    )
+    main_arm["report"].plot(Path(args.out).with_suffix(".png"))
+    for name, arm in arms.items():
+        print(f"--- {name} arm")
+        print(arm["report"].table())
+        print(
+            f"measured wall {arm['measured_wall_s']:.1f} s; ledger buckets sum to "
+            f"{arm['buckets_sum_vs_measured']:.2%} of it; kills at {arm['kills_at_s']} s; "
+            f"lost steps per failure {arm['lost_steps_per_failure']}; restores "
+            f"{arm['restore_s_by_tier']}"
+        )
     return 0
+
+
+def _mean(xs: list[float]) -> float | None:
+    return sum(xs) / len(xs) if xs else None
 
 
 if __name__ == "__main__":

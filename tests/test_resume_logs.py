@@ -228,12 +228,18 @@ def _finish(proc, timeout=180):
             proc.wait()
 
 
-def test_cli_sigkill_and_rerun_keep_every_log_line_once(tmp_path):
+@pytest.mark.parametrize("tier", ["persistent", "local"])
+def test_cli_sigkill_and_rerun_keep_every_log_line_once(tmp_path, tier):
+    """With ``local``, backups every 10 steps go to a local tier (the persistent one
+    every 1000 never comes): the rerun resumes from it."""
+    freq = 50 if tier == "persistent" else 10
+    local = [f"checkpoint.local_dir={tmp_path / 'local'}", "checkpoint.local_freq=10"]
     cmd = _cli(
         tmp_path,
         f"checkpoint.backup_dir={tmp_path / 'backup'}",
-        "checkpoint.backup_freq=50",
+        f"checkpoint.backup_freq={50 if tier == 'persistent' else 1000}",
         "logging.goodput_interval=0.02",  # so the ledger sees steps past the backup
+        *(local if tier == "local" else []),
     )
     jsonl = tmp_path / "metrics.jsonl"
     began = time.time()
@@ -249,7 +255,8 @@ def test_cli_sigkill_and_rerun_keep_every_log_line_once(tmp_path):
     wall = time.time() - began
     assert proc.returncode == 0, err[-3000:]
     resumed_at = int(out.split("resumed from the backup of step ")[1].split()[0])
-    assert resumed_at >= 100 and resumed_at % 50 == 0
+    assert resumed_at >= 100 and resumed_at % freq == 0
+    assert ("in the local tier" in out) == (tier == "local")
     assert f"resumed at step {resumed_at}, now at 440" in out  # not "(440 steps)"
 
     lines = jsonl.read_text().splitlines(keepends=True)
@@ -267,8 +274,12 @@ def test_cli_sigkill_and_rerun_keep_every_log_line_once(tmp_path):
     r = dt.goodput.report(tmp_path)
     assert len(r.attempts) == 2 and r.failures == 1
     assert r.attempts[1].resumed_from == resumed_at and r.attempts[1].finished
+    assert r.attempts[1].restore[0] == tier and r.attempts[1].restore[1] > 0
     assert r.lost_steps_per_failure == (r.attempts[0].last_step - resumed_at,)
     assert r.lost_steps_per_failure[0] > 0 and r.buckets_s["lost"] > 0
+    if tier == "local":  # at most one interval, two if killed while the newest was written
+        assert r.lost_steps_per_failure[0] <= 2 * freq
+        assert not (tmp_path / "local" / "process-0").exists()  # deleted with the backups
     assert r.buckets_s["downtime"] >= 1.0
     assert sum(r.buckets_s.values()) == pytest.approx(r.wall_s, rel=1e-6)
     # From the first process's start to the last record: the wall time measured here

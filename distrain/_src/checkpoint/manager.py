@@ -48,6 +48,8 @@ from distrain._src import verbosity
 from distrain._src.checkpoint import _directory, _errors, _fingerprint, _layout, _restore
 from distrain._src.checkpoint import _orbax_internals as _internals
 from distrain._src.checkpoint._layout import CheckpointCorruptionError, LeafInfo
+from distrain._src.checkpoint.local import LocalTier
+from distrain._src.checkpoint.local import check_directories as check_local_directory
 from distrain._src.pytree import PyTree
 from distrain._src.validate import optional_positive_int, positive_int
 
@@ -87,10 +89,21 @@ class CheckpointManager:
       async_save: write in a background thread; ``save`` returns once the arrays
         are copied off the devices. Call :meth:`wait_until_finished` (or
         :meth:`close`, or leave the ``with`` block) before the process exits.
+      local_directory: a fast local tier (e.g. ``/dev/shm/run1`` or a node-local
+        disk, apart from ``directory``): ``save`` writes there every
+        ``local_save_interval_steps`` steps when no persistent save is due, each
+        process its own shards, copied to a peer process (on another host when there
+        is one). ``restore`` takes the newest step that verifies among the local
+        copies, the peers' copies and the persistent checkpoints, data position and
+        metadata included. See ``docs/fault_tolerance.md`` ("The local tier").
+      local_save_interval_steps: steps between local saves (required with
+        ``local_directory``).
+      local_max_to_keep: local steps kept per process (and per peer copy).
 
     Raises:
-      ValueError: if the directory cannot be created or written, or for invalid
-        ``max_to_keep`` / ``save_interval_steps``.
+      ValueError: if a directory cannot be created or written, for invalid
+        ``max_to_keep`` / ``save_interval_steps`` / local tier arguments, or a
+        ``local_directory`` inside (or around) ``directory``.
 
     All processes of a multi-process job must make the same calls in the same order.
 
@@ -109,13 +122,20 @@ class CheckpointManager:
         max_to_keep: int | None = 3,
         save_interval_steps: int = 1,
         async_save: bool = True,
+        local_directory: str | os.PathLike[str] | None = None,
+        local_save_interval_steps: int | None = None,
+        local_max_to_keep: int = 2,
     ) -> None:
         self._max_to_keep = optional_positive_int("max_to_keep", max_to_keep)
         self._interval = positive_int("save_interval_steps", save_interval_steps)
         verbosity.quiet_orbax()  # orbax's INFO log of every save: only with DISTRAIN_VERBOSE
         checked = _directory.check_directory_arg(directory, "CheckpointManager")
         self._directory = epath.Path(checked).absolute()
+        self._local = _local_tier(
+            self._directory, local_directory, local_save_interval_steps, local_max_to_keep
+        )
         _directory.check_writable(self._directory)
+        self.restored_from: str | None = None
         self._barrier_prefix = f"distrain_ckpt{next(_instances)}"
         self._pending: tuple[int | None, str | None] = (None, None)  # save in flight
         options = ocp.CheckpointManagerOptions(
@@ -173,7 +193,9 @@ class CheckpointManager:
         """Saves ``state`` (and the data position and metadata) as step ``step``.
 
         Writes when ``step`` is a multiple of ``save_interval_steps`` or ``force`` is
-        true, and only if ``step`` is newer than the latest checkpoint. With
+        true, and only if ``step`` is newer than the latest checkpoint; otherwise, with
+        a local tier, writes there when ``step`` is a multiple of
+        ``local_save_interval_steps`` (see :meth:`save_local`). With
         ``async_save`` the write continues in the background; the arrays are copied
         to host memory before this returns, so the caller may update ``state``.
 
@@ -207,6 +229,8 @@ class CheckpointManager:
                 )
             return False
         if not force and step % self._interval:
+            if self._local is not None and step % self._local.interval == 0:
+                return self.save_local(step, state, data_state=data_state, metadata=metadata)
             return False
         data_json = _layout.to_json(data_state, "`data_state`")
         meta_json = _layout.to_json(metadata, "`metadata`")
@@ -246,6 +270,47 @@ class CheckpointManager:
         self._pending = (step, _internals.current_operation())
         return saved
 
+    def save_local(
+        self,
+        step: int,
+        state: PyTree,
+        *,
+        data_state: dict[str, Any] | None = None,
+        metadata: dict[str, Any] | None = None,
+    ) -> bool:
+        """Saves ``state`` as step ``step`` in the local tier only (whatever the intervals).
+
+        This process's shards are copied to the host and sent to its peer before this
+        returns; both copies are written in the background. All processes call it
+        together. Skipped (False) when ``step`` is not newer than the newest local or
+        persistent checkpoint.
+
+        Raises:
+          ValueError: without a ``local_directory``, or for a bad ``step``.
+          TypeError: as :meth:`save`.
+          OSError: if the previous local write failed.
+        """
+        self._check_open("save_local")
+        if self._local is None:
+            raise ValueError(
+                "CheckpointManager.save_local() needs a local tier: pass local_directory= "
+                "and local_save_interval_steps= when creating the manager."
+            )
+        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+            raise ValueError(f"Expected `step` to be a non-negative int; received {step!r}.")
+        newest = max(self._mgr.latest_step() or -1, self._local.latest_step() or -1)
+        if step <= newest:
+            return False
+        data_json = _layout.to_json(data_state, "`data_state`")
+        meta_json = _layout.to_json(metadata, "`metadata`")
+        self._local.save(int(step), state, data_json, meta_json)
+        return True
+
+    def delete_local(self) -> None:
+        """Deletes this process's local tier (its own and its peer's copies), if any."""
+        if self._local is not None:
+            self._local.delete()
+
     def _orbax_save(
         self, step: int, stored: PyTree, data_json: Any, meta_json: Any, manifest: dict
     ) -> bool:
@@ -282,6 +347,12 @@ class CheckpointManager:
             as NumPy. Without a target, arrays come back as NumPy (PRNG keys as keys)
             in nested dicts and lists.
 
+          With a local tier, ``restore(target=...)`` first looks for a newer step there
+          (see the class doc); ``restored_from`` then says where the state came from:
+          ``"local"``, ``"peer"`` (some process's copy came from its peer) or
+          ``"persistent"``. ``step=`` and restores without a target read the
+          persistent checkpoints only.
+
         Returns:
           A :class:`Restored`, or None if the directory holds no checkpoint (with a
           warning if it holds other files: a wrong directory is not a fresh start).
@@ -304,6 +375,24 @@ class CheckpointManager:
         self._mgr.reload()
         steps = self.all_steps()
         _directory.check_shared(self._directory, steps)
+        self.restored_from = None
+        restored: Restored | None = None
+        if step is None and target is not None and self._local is not None:
+            local = self._local.restore(target, newer_than=steps[-1] if steps else None)
+            if local is not None:
+                self.restored_from = "peer" if local.from_peer else "local"
+                restored = Restored(local.step, local.state, local.data_state, local.metadata)
+        if restored is None:
+            restored = self._restore_persistent(step, steps, target)
+            self.restored_from = None if restored is None else "persistent"
+        if self._local is not None and target is not None:
+            # The run goes on from here: local steps past it are of an abandoned timeline.
+            self._local.drop_newer_than(-1 if restored is None else restored.step)
+        return restored
+
+    def _restore_persistent(
+        self, step: int | None, steps: list[int], target: PyTree | None
+    ) -> Restored | None:
         if step is not None:
             if step not in steps:
                 raise ValueError(
@@ -437,6 +526,8 @@ class CheckpointManager:
           OSError: if the background write failed (e.g. the directory became
             unwritable); the committed checkpoints are intact.
         """
+        if self._local is not None:
+            self._local.wait_until_finished()
         try:
             self._mgr.wait_until_finished()
         except BaseException as e:
@@ -469,10 +560,56 @@ class CheckpointManager:
         self.close()
 
     def __repr__(self) -> str:
+        local = ""
+        if self._local is not None:
+            local = (
+                f", local_directory={str(self._local.root)!r}, "
+                f"local_save_interval_steps={self._local.interval}"
+            )
         return (
             f"CheckpointManager({str(self._directory)!r}, max_to_keep={self._max_to_keep}, "
-            f"save_interval_steps={self._interval})"
+            f"save_interval_steps={self._interval}{local})"
         )
+
+
+def check_local_tier(
+    directory: str | os.PathLike[str],
+    local_directory: str | os.PathLike[str] | None,
+    interval: int | None,
+    interval_name: str = "local_save_interval_steps",
+) -> tuple[epath.Path, int] | None:
+    """The local tier's directory and interval (None: no tier), or a ValueError saying
+    what is wrong with the arguments."""
+    if local_directory is None:
+        if interval is not None:
+            raise ValueError(
+                f"{interval_name} was given without local_directory: pass local_directory= "
+                "(node-local storage such as /dev/shm/<run>) or drop it."
+            )
+        return None
+    if interval is None:
+        raise ValueError(
+            f"local_directory={os.fspath(local_directory)!r} needs {interval_name}= (the "
+            "steps between local saves, e.g. a tenth of the persistent interval)."
+        )
+    interval = positive_int(interval_name, interval)
+    persistent = epath.Path(os.path.abspath(os.fspath(directory)))
+    return check_local_directory(local_directory, persistent), interval
+
+
+def _local_tier(
+    directory: epath.Path,
+    local_directory: str | os.PathLike[str] | None,
+    interval: int | None,
+    keep: int,
+) -> LocalTier | None:
+    """The local tier the arguments ask for (None: none), its directory checked."""
+    checked = check_local_tier(directory, local_directory, interval)
+    if checked is None:
+        return None
+    tier = LocalTier(*checked, positive_int("local_max_to_keep", keep))
+    _directory.check_writable(tier.own)
+    return tier
 
 
 def _state_handler() -> ocp.PyTreeCheckpointHandler:

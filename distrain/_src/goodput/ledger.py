@@ -201,9 +201,12 @@ class Ledger:
 
     def resumed(self, step: int) -> None:
         """This attempt continues from a checkpoint of ``step``: the report counts the
-        steps an earlier attempt ran past it as lost work."""
+        steps an earlier attempt ran past it as lost work. What :func:`note_restore`
+        noted about the restore (its tier and seconds) goes in the same record."""
+        global _restore_note
         self.step = int(step)
-        self._record("resume")
+        fields, _restore_note = _restore_note or {}, None
+        self._record("resume", **fields)
 
     def record(self, event: str, **fields: Any) -> None:
         """Appends a record of ``event`` (with the totals so far) now."""
@@ -247,6 +250,15 @@ class Ledger:
 
 
 _current: Ledger | None = None
+_restore_note: dict[str, Any] | None = None
+
+
+def note_restore(**fields: Any) -> None:
+    """Notes how the state was restored (e.g. ``source="local", seconds=0.4``) for the
+    next :meth:`Ledger.resumed`: the restore runs before the ledger of the ``fit``
+    exists."""
+    global _restore_note
+    _restore_note = fields
 
 
 def current() -> Ledger | None:

@@ -50,6 +50,7 @@ class Attempt:
     first_step: int | None
     last_step: int | None
     resumed_from: int | None
+    restore: tuple[str, float] | None  # (tier, seconds) of the restore it resumed from
     finished: bool  # reached the end of training (a fit_end record)
     saves: tuple[tuple[float, int], ...]
     records: tuple[tuple[float, int | None, dict[str, float]], ...]  # (t, step, totals)
@@ -93,6 +94,9 @@ class Report:
                     "seconds": a.end - a.start,
                     "steps": [a.first_step, a.last_step],
                     "resumed_from": a.resumed_from,
+                    "restore": None
+                    if a.restore is None
+                    else {"source": a.restore[0], "seconds": a.restore[1]},
                     "finished": a.finished,
                     "saves": len(a.saves),
                 }
@@ -158,7 +162,11 @@ def _attempts(records: list[dict[str, Any]]) -> list[Attempt]:
             rs[0]["t"] - sum(rs[0]["buckets"].values()),
         )
         steps = [r["step"] for r in rs if r.get("step") is not None]
-        resumed = next((r["step"] for r in rs if r["event"] == "resume"), None)
+        resume = next((r for r in rs if r["event"] == "resume"), None)
+        resumed = None if resume is None else resume["step"]
+        restore = None
+        if resume is not None and "source" in resume:
+            restore = (str(resume["source"]), float(resume["seconds"]))
         out.append(
             Attempt(
                 id=aid,
@@ -168,6 +176,7 @@ def _attempts(records: list[dict[str, Any]]) -> list[Attempt]:
                 first_step=steps[0] if steps else None,
                 last_step=steps[-1] if steps else None,
                 resumed_from=resumed,
+                restore=restore,
                 finished=any(r["event"] == "fit_end" for r in rs),
                 saves=tuple((r["t"], r["step"]) for r in rs if r["event"] == "save"),
                 records=tuple((r["t"], r.get("step"), r["buckets"]) for r in rs),

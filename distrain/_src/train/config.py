@@ -438,6 +438,10 @@ class CheckpointConfig(_Section):
       backup_dir: resume from and back up to this directory with ``BackupAndRestore``:
         run the same command again after a crash and it continues exactly.
       backup_freq: ``"epoch"`` or a number of steps, for ``backup_dir``.
+      local_dir: a fast local tier for the backups (node-local, e.g. ``/dev/shm/run``):
+        a backup every ``local_freq`` steps, each process's shards mirrored on a peer
+        process; a restart resumes from the newest backup that verifies in either.
+      local_freq: steps between local backups (with ``local_dir``).
     """
 
     dir: str | None = None
@@ -445,6 +449,21 @@ class CheckpointConfig(_Section):
     max_to_keep: int = Field(default=3, ge=1)
     backup_dir: str | None = None
     backup_freq: _Frequency = "epoch"
+    local_dir: str | None = None
+    local_freq: int | None = Field(default=None, ge=1)
+
+    @pydantic.model_validator(mode="after")
+    def _local_tier_of_the_backups(self) -> CheckpointConfig:
+        if self.local_dir is None and self.local_freq is None:
+            return self
+        if self.backup_dir is None or self.local_dir is None or self.local_freq is None:
+            raise ConfigError(
+                "Config fields 'checkpoint.local_dir' and 'checkpoint.local_freq' add a local "
+                "tier to the backups: both are needed, with 'checkpoint.backup_dir'. Received: "
+                f"backup_dir={self.backup_dir!r}, local_dir={self.local_dir!r}, "
+                f"local_freq={self.local_freq!r}."
+            )
+        return self
 
 
 _SECTIONS = ("strategy", "model", "data", "optimizer", "train", "logging", "checkpoint")

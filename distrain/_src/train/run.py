@@ -290,7 +290,14 @@ def _callbacks(cfg: RunConfig, progress_bar: bool) -> list[Any]:
         out.append(cb.Goodput(log_dir, interval=cfg.logging.goodput_interval))
     ck = cfg.checkpoint
     if ck.backup_dir is not None:
-        out.append(cb.BackupAndRestore(ck.backup_dir, save_freq=ck.backup_freq))
+        out.append(
+            cb.BackupAndRestore(
+                ck.backup_dir,
+                save_freq=ck.backup_freq,
+                local_directory=ck.local_dir,
+                local_save_freq=ck.local_freq,
+            )
+        )
     keep = None
     if ck.dir is not None:
         keep = cb.ModelCheckpoint(ck.dir, save_freq=ck.save_freq, max_to_keep=ck.max_to_keep)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import shutil
 import threading
+import time
 import warnings
 from typing import Any
 
@@ -91,13 +92,14 @@ class _Saver(Callback):
         self.manager: Any = None
         self.last_saved_step: int | None = None
         self._offset: int | None = None  # checkpoint number - trainer step, fixed per fit
+        self._local: dict[str, Any] = {}  # the manager's local tier arguments
 
     def _open(self) -> None:
         from distrain._src.checkpoint.manager import CheckpointManager
 
         ensure_writable_dir(self.directory, f"{type(self).__name__} checkpoint")
         self.manager = CheckpointManager(
-            self.directory, max_to_keep=self.max_to_keep, async_save=self.async_save
+            self.directory, max_to_keep=self.max_to_keep, async_save=self.async_save, **self._local
         )
         self._offset = None
 
@@ -116,8 +118,9 @@ class _Saver(Callback):
             self._offset = 0 if latest is None else max(0, latest - t.loop.initial_step)
         return t.loop.global_step + self._offset
 
-    def _save(self) -> bool:
-        """Saves the trainer's state and position now (all processes call it together)."""
+    def _save(self, local: bool = False) -> bool:
+        """Saves the trainer's state and position now (all processes call it together),
+        to the local tier with ``local``."""
         t = self.trainer
         if t is None or self.manager is None:
             return False
@@ -132,13 +135,18 @@ class _Saver(Callback):
         step = self.checkpoint_step()
         settle_steps(t.state)
         with goodput.phase("checkpoint"):
-            saved = self.manager.save(
-                step,
-                t.state_snapshot(),  # the async write must not read buffers the next step donates
-                data_state=t.data_state(),
-                metadata={"progress": t.progress()},
-                force=True,
-            )
+            if local:  # copied to the host before it returns: no snapshot needed
+                saved = self.manager.save_local(
+                    step, t.state, data_state=t.data_state(), metadata={"progress": t.progress()}
+                )
+            else:
+                saved = self.manager.save(
+                    step,
+                    t.state_snapshot(),  # the async write must not read what the next step donates
+                    data_state=t.data_state(),
+                    metadata={"progress": t.progress()},
+                    force=True,
+                )
         if saved:
             self.last_saved_step = step
             ledger = goodput.current()
@@ -146,8 +154,8 @@ class _Saver(Callback):
                 ledger.saved(t.loop.global_step)
         return bool(saved)
 
-    def _crossed(self, info: StepInfo) -> bool:
-        f = self.save_freq
+    def _crossed(self, info: StepInfo, freq: int | str | None = None) -> bool:
+        f = self.save_freq if freq is None else freq
         return isinstance(f, int) and info.step // f > (info.step - info.num_steps) // f
 
     def _finish(self) -> None:
@@ -284,11 +292,23 @@ class BackupAndRestore(_Saver):
       handle_preemption: install the SIGTERM handler (main thread only).
       verbose: print one line (chief only) when ``fit`` resumes from a backup and when a
         SIGTERM stops it, saying which step and where.
+      local_directory: a fast local tier (node-local, e.g. ``/dev/shm/<run>``): a backup
+        every ``local_save_freq`` steps goes there (each process's shards, mirrored on
+        a peer process), the persistent ``backup_dir`` every ``save_freq``. ``fit``
+        resumes from the newest backup that verifies in either tier. See
+        ``dt.checkpoint.CheckpointManager`` and ``docs/fault_tolerance.md``.
+      local_save_freq: steps between local backups (required with ``local_directory``).
 
     Raises:
-      ValueError: bad ``save_freq``; at ``fit`` start, a backup from a different model
-        (the message names the first mismatching leaf and both shapes).
+      ValueError: bad ``save_freq`` or local tier arguments (a ``local_directory`` inside
+        ``backup_dir``, ``local_save_freq`` < 1 or without ``local_directory``); at
+        ``fit`` start, a backup from a different model (the message names the first
+        mismatching leaf and both shapes) or a local directory that cannot be written.
       OSError: at ``fit`` start, if ``backup_dir`` cannot be written.
+
+    Example:
+      >>> dt.callbacks.BackupAndRestore("gs://bucket/run/backup", save_freq=500,
+      ...                               local_directory="/dev/shm/run", local_save_freq=10)
     """
 
     restores_progress = True
@@ -303,8 +323,19 @@ class BackupAndRestore(_Saver):
         async_save: bool = True,
         handle_preemption: bool = True,
         verbose: bool = True,
+        local_directory: str | os.PathLike[str] | None = None,
+        local_save_freq: int | None = None,
     ) -> None:
         super().__init__(backup_dir, save_freq, max_to_keep, async_save)
+        if local_directory is not None or local_save_freq is not None:
+            from distrain._src.checkpoint.manager import check_local_tier
+
+            check_local_tier(self.directory, local_directory, local_save_freq, "local_save_freq")
+            self._local = {
+                "local_directory": local_directory,
+                "local_save_interval_steps": local_save_freq,
+            }
+        self.local_save_freq = local_save_freq
         self.delete_checkpoint = delete_checkpoint
         self.handle_preemption = handle_preemption
         self.verbose = verbose
@@ -317,8 +348,12 @@ class BackupAndRestore(_Saver):
         self.restored_step = self.last_saved_step = None
         self._calls = 0
         t = self._fit_trainer
+        began = time.perf_counter()
         restored = self.manager.restore(target=t.state)
         if restored is not None:
+            goodput.note_restore(
+                source=self.manager.restored_from, seconds=time.perf_counter() - began
+            )
             progress = (restored.metadata or {}).get("progress")
             if progress is None:
                 raise ValueError(
@@ -329,9 +364,13 @@ class BackupAndRestore(_Saver):
             t.resume(restored.state, progress, restored.data_state)
             self.restored_step = restored.step
             loop = t.loop
+            where = {
+                "local": "the local tier",
+                "peer": "the local tier (some processes' copies from their peers)",
+            }.get(self.manager.restored_from, str(self.directory))
             self._say(
                 f"BackupAndRestore: resumed from the backup of step {loop.global_step} "
-                f"(epoch {loop.epoch + 1}, {loop.step_in_epoch} steps into it) in {self.directory}"
+                f"(epoch {loop.epoch + 1}, {loop.step_in_epoch} steps into it) in {where}"
             )
         if self.handle_preemption and threading.current_thread() is threading.main_thread():
             from distrain._src.checkpoint.preemption import PreemptionHandler
@@ -362,6 +401,8 @@ class BackupAndRestore(_Saver):
             self._close_preemption(exit_after=True)
         if self._crossed(info):
             self._save()
+        elif self.local_save_freq and self._crossed(info, self.local_save_freq):
+            self._save(local=True)
 
     def on_epoch_end(self, epoch: int, logs: Logs | None = None) -> None:
         if self.save_freq == "epoch":
@@ -375,6 +416,8 @@ class BackupAndRestore(_Saver):
             # has nothing left to train, instead of redoing the steps after the last save.
             self._save()
         latest = self.manager.latest_step() if self.manager is not None else None
+        if finite and self.delete_checkpoint and self.manager is not None:
+            self.manager.delete_local()  # every process its own part
         self._finish()
         self._close_preemption()
         if not finite:

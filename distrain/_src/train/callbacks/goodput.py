@@ -47,6 +47,8 @@ class Goodput(Callback):
         self.ledger = goodput.Ledger(self.workdir, write=t.is_chief, interval=self.interval)
         if t.loop.initial_step:  # BackupAndRestore resumed before this ran
             self.ledger.resumed(t.loop.initial_step)
+        else:
+            goodput.note_restore()  # nothing of an earlier fit's restore carries over
         goodput.set_current(self.ledger)
 
     def on_train_batch_end(self, info: StepInfo) -> None:

@@ -1,0 +1,506 @@
+"""The local checkpoint tier: frequent saves to a node-local directory, mirrored on a peer.
+
+A save writes each process's addressable shards (one copy per distinct shard), the
+data position and the trainer's progress to ``<local>/process-<p>/<step>/`` (an
+``arrays.bin`` and a ``manifest.json`` with a CRC-32 per shard), and sends the same
+bytes to a peer process, which keeps them in ``<local>/process-<peer>/peer-of-<p>/<step>/``.
+The peer is the nearest process on another host when there is one, so losing a
+node's local directory loses nothing. A step directory is written under a temporary
+name and renamed when complete: it either holds a whole copy or does not exist.
+
+Restore (all processes together) picks the newest step for which every process has
+a copy that verifies, its own or the one its peer holds; a copy whose checksum fails
+is skipped with a one-line warning. A process without its own copy gets it back
+from its peer. Shards are placed with ``jax.make_array_from_single_device_arrays``,
+so the tier restores onto the same placement only: when the target's device layout
+differs from the saved one (another device or process count, another sharding), the
+tier is ignored, with a message, and the persistent checkpoints are used.
+
+The bytes travel between processes as one ``ppermute`` over a mesh of one device per
+process: the accelerator network on GPUs and TPUs, gloo on CPU. Nothing but JAX.
+
+This module is used by :class:`~distrain.checkpoint.CheckpointManager`
+(``local_directory=``); it has no public entry point of its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import threading
+import uuid
+import warnings
+import zlib
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from etils import epath
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from distrain._src.checkpoint import _layout, _restore
+from distrain._src.checkpoint._layout import LeafInfo
+from distrain._src.pytree import PyTree
+
+FORMAT = "distrain.local/1"
+_SLOTS = 8  # steps each process reports at restore (keep is at most this)
+
+
+class LocalRestore(NamedTuple):
+    """A state read back from the local tier."""
+
+    step: int
+    state: PyTree
+    data_state: Any
+    metadata: Any
+    from_peer: tuple[int, ...]  # processes whose copy came from their peer
+
+
+# ---------------------------------------------------------------- serialising
+def _index(idx: tuple[slice, ...], shape: Sequence[int]) -> list[list[int]]:
+    return [list(s.indices(n)[:2]) for s, n in zip(idx, shape, strict=True)]
+
+
+def _pack(
+    step: int, state: PyTree, data_json: Any, meta_json: Any
+) -> tuple[dict, list[np.ndarray]]:
+    """This process's part of ``state``: a manifest and the chunks it describes."""
+    _, leaves = _layout.to_storable(state)
+    entries: list[dict[str, Any]] = []
+    pending: list[tuple[dict[str, Any], Any]] = []  # (shard entry, device buffer)
+    for path, value, impl in leaves:
+        shape, dtype = _layout.leaf_shape_dtype(value)
+        entry: dict[str, Any] = {
+            "path": path,
+            "shape": list(shape),
+            "dtype": np.dtype(dtype).name,
+            "key_impl": impl,
+            "shards": [],
+        }
+        if isinstance(value, jax.Array):
+            by_index: dict[str, dict[str, Any]] = {}
+            for shard in value.addressable_shards:
+                index = _index(shard.index, shape)
+                key = json.dumps(index)
+                if key not in by_index:
+                    by_index[key] = {"index": index, "devices": []}
+                    pending.append((by_index[key], shard.data))
+                by_index[key]["devices"].append(shard.device.id)
+            entry["shards"] = list(by_index.values())
+        else:
+            whole = {"index": None, "devices": None}
+            entry["shards"] = [whole]
+            pending.append((whole, np.asarray(value, dtype)))
+        entries.append(entry)
+    # One transfer for every shard (waits for the steps that produce them).
+    host = jax.device_get([buf for _, buf in pending])
+    chunks, offset = [], 0
+    for (shard, _), data in zip(pending, host, strict=True):
+        data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)  # bfloat16 has no buffer
+        shard.update(offset=offset, nbytes=data.nbytes, crc32=zlib.crc32(data))
+        offset += data.nbytes
+        chunks.append(data)
+    manifest = {
+        "format": FORMAT,
+        "step": step,
+        "process_index": jax.process_index(),
+        "process_count": jax.process_count(),
+        "leaves": entries,
+        "data_state": data_json,
+        "metadata": meta_json,
+    }
+    return manifest, chunks
+
+
+def _to_blob(manifest: dict, chunks: list[np.ndarray]) -> np.ndarray:
+    head = json.dumps(manifest).encode()
+    parts = [np.frombuffer(len(head).to_bytes(8, "little") + head, np.uint8)]
+    parts += chunks
+    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+
+
+def _from_blob(blob: np.ndarray) -> tuple[dict, memoryview]:
+    n = int.from_bytes(blob[:8].tobytes(), "little")
+    return json.loads(blob[8 : 8 + n].tobytes()), memoryview(blob[8 + n :])
+
+
+def _write_step(parent: epath.Path, step: int, manifest: dict, data: Any, keep: int) -> None:
+    """Writes one step directory atomically and deletes the oldest beyond ``keep``."""
+    parent.mkdir(parents=True, exist_ok=True)
+    tmp = parent / f".{step}.tmp-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    with open(tmp / "arrays.bin", "wb") as f:
+        for part in data:
+            f.write(part)
+    (tmp / "manifest.json").write_text(json.dumps(manifest))
+    final = parent / str(step)
+    if final.exists():  # a copy of the same step written by an earlier attempt
+        shutil.rmtree(final)
+    tmp.rename(final)
+    for old in _steps(parent)[:-keep]:
+        shutil.rmtree(parent / str(old), ignore_errors=True)
+
+
+def _steps(parent: epath.Path) -> list[int]:
+    if not parent.exists():
+        return []
+    return sorted(int(p.name) for p in parent.iterdir() if p.name.isdigit() and p.is_dir())
+
+
+class _Copy(NamedTuple):
+    manifest: dict
+    arrays: memoryview
+
+
+def _read_copy(where: epath.Path) -> _Copy:
+    """Reads and verifies one step directory (raises ValueError on any damage)."""
+    try:
+        manifest = json.loads((where / "manifest.json").read_text())
+        arrays = memoryview((where / "arrays.bin").read_bytes())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"unreadable ({type(e).__name__}: {e})") from e
+    _verify(manifest, arrays)
+    return _Copy(manifest, arrays)
+
+
+def _verify(manifest: dict, arrays: memoryview) -> None:
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"format {manifest.get('format')!r}, expected {FORMAT!r}")
+    for leaf in manifest["leaves"]:
+        for shard in leaf["shards"]:
+            lo, n = shard["offset"], shard["nbytes"]
+            if lo + n > len(arrays) or zlib.crc32(arrays[lo : lo + n]) != shard["crc32"]:
+                raise ValueError(f"the bytes of leaf {leaf['path']!r} fail their CRC-32")
+
+
+# ---------------------------------------------------------------- placement
+def _placement(x: Any, saved_shape: Sequence[int]) -> jax.sharding.Sharding | None:
+    if not isinstance(x, jax.Array | jax.ShapeDtypeStruct):
+        return None
+    if isinstance(x, jax.Array) and _layout.is_prng_key(x):
+        return jax.random.key_data(x).sharding
+    return getattr(x, "sharding", None) or _restore._default_sharding()
+
+
+def layout_difference(manifest: dict, target: PyTree) -> str | None:
+    """Why ``manifest`` cannot be placed onto ``target`` as saved (None: it can)."""
+    if manifest["process_count"] != jax.process_count():
+        return f"saved by {manifest['process_count']} processes, restoring on {jax.process_count()}"
+    saved = {leaf["path"]: leaf for leaf in manifest["leaves"]}
+    flat = _layout.flatten(target)
+    if sorted(saved) != sorted(p for p, _ in flat):
+        return "the state's leaves differ"
+    for path, x in flat:
+        leaf = saved[path]
+        shape = tuple(leaf["shape"])
+        target_shape, dtype = _layout.leaf_shape_dtype(x)
+        if tuple(target_shape) != shape or jnp.dtype(dtype) != jnp.dtype(leaf["dtype"]):
+            was, now = f"{leaf['dtype']}{list(shape)}", f"{dtype}{list(target_shape)}"
+            return f"leaf {path!r} is {was} saved, {now} now"
+        sharding = _placement(x, shape)
+        if sharding is None:
+            if leaf["shards"][0]["devices"] is not None:
+                return f"leaf {path!r} was a device array, the target holds a host value"
+            continue
+        held = {
+            (d, json.dumps(s["index"]))
+            for s in leaf["shards"]
+            if s["devices"]
+            for d in s["devices"]
+        }
+        for device, idx in sharding.addressable_devices_indices_map(shape).items():
+            if (device.id, json.dumps(_index(idx, shape))) not in held:
+                return f"leaf {path!r} is placed differently (device {device.id})"
+    return None
+
+
+def _unpack(copy: _Copy, target: PyTree) -> PyTree:
+    """The state of ``copy`` placed like ``target`` (whose layout was checked)."""
+    saved = {leaf["path"]: leaf for leaf in copy.manifest["leaves"]}
+    flat, treedef = jax.tree_util.tree_flatten_with_path(target)
+    out = []
+    for kp, x in flat:
+        leaf = saved[_layout.path_str(kp)]
+        shape, dtype = tuple(leaf["shape"]), jnp.dtype(leaf["dtype"])
+
+        def read(shard: dict[str, Any], shape: tuple[int, ...], dtype: Any = dtype) -> np.ndarray:
+            raw = copy.arrays[shard["offset"] : shard["offset"] + shard["nbytes"]]
+            return np.frombuffer(raw, dtype).reshape(shape)
+
+        sharding = _placement(x, shape)
+        if sharding is None:
+            value = read(leaf["shards"][0], shape).copy()
+        else:
+            by_index = {json.dumps(s["index"]): s for s in leaf["shards"] if s["index"] is not None}
+            buffers = []
+            for device, idx in sharding.addressable_devices_indices_map(shape).items():
+                index = _index(idx, shape)
+                part = read(by_index[json.dumps(index)], tuple(b - a for a, b in index))
+                buffers.append(jax.device_put(part, device))
+            value = jax.make_array_from_single_device_arrays(shape, sharding, buffers)
+        info = LeafInfo(_layout.path_str(kp), shape, dtype.name, leaf["key_impl"], None)
+        out.append(_restore._finish_leaf(value, x, info))
+    return jax.tree.unflatten(treedef, out)
+
+
+# ---------------------------------------------------------------- exchange
+def _process_devices() -> list[jax.Device]:
+    first: dict[int, jax.Device] = {}
+    for d in sorted(jax.devices(), key=lambda d: d.id):
+        first.setdefault(d.process_index, d)
+    return [first[p] for p in range(jax.process_count())]
+
+
+_shifters: dict[tuple, Any] = {}
+
+
+def exchange(blob: np.ndarray, pairs: Sequence[tuple[int, int]]) -> np.ndarray | None:
+    """Sends ``blob`` along ``pairs`` (source, destination process); all processes call it.
+
+    Returns the bytes this process received, or None if it is no destination.
+    """
+    from jax.experimental import multihost_utils
+
+    n, me = jax.process_count(), jax.process_index()
+    lengths = np.asarray(multihost_utils.process_allgather(np.asarray([blob.size], np.int64)))
+    lengths = lengths.reshape(-1)
+    # Rounded up to a power of two: a state that grows a little reuses the compiled shift.
+    size = 1 << max(int(lengths.max()) - 1, 1).bit_length()
+    devices = _process_devices()
+    key = (tuple(d.id for d in devices), tuple(pairs), size)
+    if key not in _shifters:
+        mesh = Mesh(np.asarray(devices), ("process",))
+        _shifters[key] = jax.jit(
+            jax.shard_map(
+                lambda x: jax.lax.ppermute(x, "process", list(pairs)),
+                mesh=mesh,
+                in_specs=P("process"),
+                out_specs=P("process"),
+            )
+        )
+        _shifters[key].sharding = NamedSharding(mesh, P("process"))
+    shift = _shifters[key]
+    local = np.zeros((1, size), np.uint8)
+    local[0, : blob.size] = blob
+    x = jax.make_array_from_single_device_arrays(
+        (n, size), shift.sharding, [jax.device_put(local, devices[me])]
+    )
+    received = np.asarray(shift(x).addressable_shards[0].data)[0]
+    source = [s for s, d in pairs if d == me]
+    return received[: lengths[source[0]]].copy() if source else None
+
+
+def peer_shift() -> int:
+    """The ring offset to a process on another host (1 when all share one host)."""
+    from jax.experimental import multihost_utils
+
+    n = jax.process_count()
+    host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
+    hosts = np.asarray(multihost_utils.process_allgather(np.asarray([host], np.int64))).reshape(-1)
+    for k in range(1, n):
+        if all(hosts[(p + k) % n] != hosts[p] for p in range(n)):
+            return k
+    return 1
+
+
+# ---------------------------------------------------------------- the tier
+class LocalTier:
+    """One process's part of the local tier (built by ``CheckpointManager``)."""
+
+    def __init__(self, directory: epath.Path, save_interval_steps: int, max_to_keep: int) -> None:
+        self.root = directory
+        self.interval = save_interval_steps
+        self.keep = max_to_keep
+        self.own = directory / f"process-{jax.process_index()}"
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._shift: int | None = None
+        for leftover in self.own.glob(".*.tmp-*") if self.own.exists() else []:
+            shutil.rmtree(leftover, ignore_errors=True)  # a process killed mid-write
+
+    def latest_step(self) -> int | None:
+        steps = _steps(self.own)
+        return steps[-1] if steps else None
+
+    # ------------------------------------------------------------------ save
+    def save(self, step: int, state: PyTree, data_json: Any, meta_json: Any) -> None:
+        """Copies this process's shards to the host, sends them to the peer, and writes
+        both copies in the background. All processes call it together."""
+        self.wait_until_finished()
+        manifest, chunks = _pack(step, state, data_json, meta_json)
+        peer: tuple[int, np.ndarray] | None = None
+        n = jax.process_count()
+        if n > 1:
+            if self._shift is None:
+                self._shift = peer_shift()
+            k = self._shift
+            got = exchange(_to_blob(manifest, chunks), [(p, (p + k) % n) for p in range(n)])
+            assert got is not None  # every process is a destination of the ring
+            peer = ((jax.process_index() - k) % n, got)
+
+        def write() -> None:
+            try:
+                _write_step(self.own, step, manifest, chunks, self.keep)
+                if peer is not None:
+                    source, blob = peer
+                    for other in self.own.glob("peer-of-*"):
+                        if other.name != f"peer-of-{source}":  # the ring changed
+                            shutil.rmtree(other, ignore_errors=True)
+                    head, arrays = _from_blob(blob)
+                    _write_step(self.own / f"peer-of-{source}", step, head, [arrays], self.keep)
+            except BaseException as e:  # noqa: BLE001 - raised by the next save or wait
+                self._error = e
+
+        self._thread = threading.Thread(target=write, name="distrain-local-save", daemon=True)
+        self._thread.start()
+
+    def wait_until_finished(self) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        error, self._error = self._error, None
+        if error is not None:
+            raise OSError(
+                f"The local checkpoint tier could not write to {self.own} "
+                f"({type(error).__name__}: {error}). The persistent checkpoints are unaffected; "
+                "free space there or choose another local_directory."
+            ) from error
+
+    # --------------------------------------------------------------- restore
+    def _scan(self, parent: epath.Path, what: str) -> list[int]:
+        """The steps under ``parent`` that verify, newest first (warns for the others)."""
+        good = []
+        for step in reversed(_steps(parent)):
+            try:
+                _read_copy(parent / str(step))
+            except ValueError as e:
+                warnings.warn(
+                    f"Local checkpoint tier: {what} of step {step} in {parent / str(step)} is "
+                    f"damaged ({e}); it is ignored.",
+                    stacklevel=4,
+                )
+                continue
+            good.append(step)
+        return good[:_SLOTS]
+
+    def restore(self, target: PyTree, newer_than: int | None) -> LocalRestore | None:
+        """The newest step every process can restore from the tier, if newer than
+        ``newer_than`` and placed as ``target`` is; None otherwise. Collective."""
+        self.wait_until_finished()
+        n, me = jax.process_count(), jax.process_index()
+        own = self._scan(self.own, "this process's copy")
+        reason = None
+        if own:
+            manifest = json.loads((self.own / str(own[0]) / "manifest.json").read_text())
+            reason = layout_difference(manifest, target)
+        peers = sorted(self.own.glob("peer-of-*")) if self.own.exists() else []
+        source = int(peers[0].name.removeprefix("peer-of-")) if peers else -1
+        held = self._scan(peers[0], f"the copy of process {source}") if peers else []
+        views = _gather([0 if reason is None else 1, source, *_pad(own), *_pad(held)])
+        if views[:, 0].any():
+            who = int(np.argmax(views[:, 0]))
+            if reason is None:
+                reason = f"on process {who}"
+            warnings.warn(
+                f"Local checkpoint tier ignored: the state's layout changed since it was saved "
+                f"({reason}); restoring from the persistent checkpoints.",
+                stacklevel=3,
+            )
+            return None
+        owns = [set(int(s) for s in v[2 : 2 + _SLOTS] if s >= 0) for v in views]
+        holds = {
+            int(v[1]): (r, set(int(s) for s in v[2 + _SLOTS :] if s >= 0))
+            for r, v in enumerate(views)
+            if v[1] >= 0
+        }
+        step = None
+        for s in sorted(set().union(*owns, *(h for _, h in holds.values())), reverse=True):
+            if newer_than is not None and s < newer_than:
+                break
+            if all(s in owns[q] or (q in holds and s in holds[q][1]) for q in range(n)):
+                step = s
+                break
+        if step is None:
+            return None
+        pairs = [(holds[q][0], q) for q in range(n) if step not in owns[q]]
+        copy = None
+        if step in owns[me]:
+            copy = _read_copy(self.own / str(step))
+        if pairs:
+            sending = any(src == me for src, _ in pairs)
+            blob = np.zeros(0, np.uint8)
+            if sending:
+                c = _read_copy(peers[0] / str(step))
+                blob = _to_blob(c.manifest, [np.frombuffer(c.arrays, np.uint8)])
+            got = exchange(blob, pairs)
+            if got is not None:
+                head, arrays = _from_blob(got)
+                _verify(head, arrays)
+                copy = _Copy(head, arrays)
+        assert copy is not None
+        # The copy a process got from its peer was not checked against its target yet.
+        reason = layout_difference(copy.manifest, target)
+        if _gather([0 if reason is None else 1])[:, 0].any():
+            warnings.warn(
+                "Local checkpoint tier ignored: the state's layout changed since it was saved "
+                f"({reason or 'on another process'}); restoring from the persistent checkpoints.",
+                stacklevel=3,
+            )
+            return None
+        state = _unpack(copy, target)
+        m = copy.manifest
+        return LocalRestore(
+            step,
+            state,
+            _layout.from_json(m["data_state"]),
+            _layout.from_json(m["metadata"]),
+            tuple(q for _, q in pairs),
+        )
+
+    def drop_newer_than(self, step: int) -> None:
+        """Deletes this process's copies of steps after ``step``: a run that resumed
+        from ``step`` must never later restore a state of the timeline it abandoned."""
+        self.wait_until_finished()
+        parents = [self.own, *(self.own.glob("peer-of-*") if self.own.exists() else [])]
+        for parent in parents:
+            for s in _steps(parent):
+                if s > step:
+                    shutil.rmtree(parent / str(s), ignore_errors=True)
+
+    def delete(self) -> None:
+        """Removes this process's part of the tier (own and peer copies)."""
+        self.wait_until_finished()
+        shutil.rmtree(self.own, ignore_errors=True)
+
+
+def _pad(steps: list[int]) -> list[int]:
+    return (steps + [-1] * _SLOTS)[:_SLOTS]
+
+
+def _gather(row: list[int]) -> np.ndarray:
+    """Every process's ``row`` (all call it together), one row per process."""
+    mine = np.asarray(row, np.int64)
+    if jax.process_count() == 1:
+        return mine[None]
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+
+
+def check_directories(local: str | os.PathLike[str], persistent: epath.Path) -> epath.Path:
+    """The local directory, absolute; refuses one inside (or around) the persistent one."""
+    path = epath.Path(os.path.abspath(os.fspath(local)))
+    a, b = os.path.realpath(path), os.path.realpath(persistent)
+    if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep):
+        raise ValueError(
+            f"Expected a local_directory apart from the persistent checkpoint directory "
+            f"{persistent}; received {path}, which "
+            + ("is inside it" if a.startswith(b + os.sep) else "is the same or contains it")
+            + ". Use node-local storage such as /dev/shm/<run> or a local disk."
+        )
+    return path

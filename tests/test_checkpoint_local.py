@@ -1,0 +1,209 @@
+"""The local checkpoint tier (issue 39, part 2): saves to a node-local directory,
+mirrored on a peer process; restore from the newest copy that verifies.
+
+One process on 8 CPU devices: the tier's own copies, damage, a layout change, the
+abandoned timeline, wrong arguments. Two real processes (tests/scripts/ckpt_local.py):
+a job saves and SIGKILLs itself; a second job restores through lost, garbled and
+deleted copies (own, peer, persistent).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import distrain as dt
+from distrain._src.cluster.launch import free_port
+from tests.processes import run_together
+
+SCRIPT = Path(__file__).parent / "scripts" / "ckpt_local.py"
+
+
+def _state(k, sharded=True):
+    mesh = jax.make_mesh((8,), ("d",))
+    return {
+        "w": jax.device_put(
+            jnp.arange(32.0).reshape(8, 4) + k, NamedSharding(mesh, P("d" if sharded else None))
+        ),
+        "b": jax.device_put(jnp.full(3, k, jnp.bfloat16), NamedSharding(mesh, P())),
+        "key": jax.random.key(k),
+        "host": np.full(2, k),
+        "n": k,
+    }
+
+
+def _values(state):
+    return [
+        np.asarray(jax.random.key_data(x) if jnp.issubdtype(x.dtype, jax.dtypes.prng_key) else x)
+        if hasattr(x, "dtype")
+        else x
+        for x in jax.tree.leaves(state)
+    ]
+
+
+def _same(a, b):
+    return all(np.array_equal(x, y) for x, y in zip(_values(a), _values(b), strict=True))
+
+
+def _manager(tmp_path, **kw):
+    kw = {"save_interval_steps": 10, "local_save_interval_steps": 2, **kw}
+    return dt.checkpoint.CheckpointManager(
+        tmp_path / "persistent", local_directory=tmp_path / "local", **kw
+    )
+
+
+def _train(tmp_path, last):
+    with _manager(tmp_path) as mgr:
+        for k in range(1, last + 1):
+            mgr.save(k, _state(k), data_state={"pos": k}, metadata={"k": k})
+
+
+def test_restores_the_newest_local_step_exactly_with_its_data_position(tmp_path):
+    _train(tmp_path, 15)
+    local = tmp_path / "local" / "process-0"
+    assert sorted(os.listdir(local)) == ["12", "14"]  # local_max_to_keep=2
+    assert sorted(os.listdir(tmp_path / "persistent")) == ["10"]  # every 10, not the local steps
+    with _manager(tmp_path) as mgr:
+        r = mgr.restore(target=_state(0))
+        assert (r.step, mgr.restored_from) == (14, "local")
+        assert _same(r.state, _state(14)) and (r.data_state, r.metadata) == ({"pos": 14}, {"k": 14})
+        assert r.state["w"].sharding == _state(0)["w"].sharding
+        assert type(r.state["n"]) is int and r.state["b"].dtype == jnp.bfloat16
+        # restore(step=) and restores without a target read the persistent tier.
+        assert mgr.restore(step=10, target=_state(0)).step == 10
+        assert mgr.restored_from == "persistent"
+
+
+def test_a_garbled_local_copy_falls_back_with_one_line(tmp_path):
+    _train(tmp_path, 15)
+    newest = tmp_path / "local" / "process-0" / "14" / "arrays.bin"
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    with _manager(tmp_path) as mgr, pytest.warns(UserWarning) as caught:
+        r = mgr.restore(target=_state(0))
+    assert (r.step, mgr.restored_from) == (12, "local") and _same(r.state, _state(12))
+    [w] = [str(w.message) for w in caught if "Local checkpoint tier" in str(w.message)]
+    assert "step 14" in w and "CRC-32" in w and "\n" not in w
+
+
+def test_a_layout_change_ignores_the_local_tier_and_says_so(tmp_path):
+    _train(tmp_path, 15)
+    with _manager(tmp_path) as mgr, pytest.warns(UserWarning, match="layout changed.*'w'"):
+        r = mgr.restore(target=_state(0, sharded=False))
+    assert (r.step, mgr.restored_from) == (10, "persistent") and _same(r.state, _state(10))
+    assert r.state["w"].sharding.spec == P(None)
+
+
+def test_steps_past_the_restored_one_are_dropped_never_restored_later(tmp_path):
+    """A run that fell back to step 10 must not later resume the abandoned step 14."""
+    _train(tmp_path, 15)
+    with _manager(tmp_path) as mgr, pytest.warns(UserWarning, match="layout changed"):
+        assert mgr.restore(target=_state(0, sharded=False)).step == 10
+    assert os.listdir(tmp_path / "local" / "process-0") == []
+    with _manager(tmp_path) as mgr:
+        mgr.save(11, _state(11), data_state={"pos": 11})  # neither tier is due
+        mgr.save(12, _state(12), data_state={"pos": 12})
+        r = mgr.restore(target=_state(0))
+        assert (r.step, mgr.restored_from) == (12, "local") and _same(r.state, _state(12))
+
+
+def test_save_local_and_delete_local(tmp_path):
+    with _manager(tmp_path) as mgr:
+        assert mgr.save_local(3, _state(3)) is True  # not a multiple of 2: save_local ignores it
+        assert mgr.save_local(3, _state(3)) is False  # not newer
+        mgr.wait_until_finished()
+        assert os.listdir(tmp_path / "local" / "process-0") == ["3"]
+        mgr.delete_local()
+        assert not (tmp_path / "local" / "process-0").exists()
+    with dt.checkpoint.CheckpointManager(tmp_path / "p2") as plain:
+        with pytest.raises(ValueError, match="needs a local tier: pass local_directory="):
+            plain.save_local(1, _state(1))
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"local_directory": "{p}/local"}, r"needs local_save_interval_steps="),
+        ({"local_save_interval_steps": 5}, r"without local_directory"),
+        ({"local_directory": "{l}", "local_save_interval_steps": 0}, r"local_save_interval_steps"),
+        ({"local_directory": "{p}/inside", "local_save_interval_steps": 5}, r"is inside it"),
+        ({"local_directory": "{t}", "local_save_interval_steps": 5}, r"same or contains it"),
+        ({"local_directory": "{f}/sub", "local_save_interval_steps": 5}, r"not writable"),
+    ],
+)
+def test_wrong_local_tier_arguments_fail_before_anything_is_saved(tmp_path, kwargs, match):
+    (tmp_path / "file").write_text("")
+    names = {"p": tmp_path / "p", "l": tmp_path / "l", "t": tmp_path, "f": tmp_path / "file"}
+    kwargs = {k: v.format(**names) if isinstance(v, str) else v for k, v in kwargs.items()}
+    with pytest.raises(ValueError, match=match):
+        dt.checkpoint.CheckpointManager(tmp_path / "p", **kwargs)
+
+
+def test_backup_and_restore_refuses_a_local_directory_inside_the_backups(tmp_path):
+    with pytest.raises(ValueError, match="is inside it"):
+        dt.callbacks.BackupAndRestore(
+            tmp_path / "b", local_directory=tmp_path / "b" / "l", local_save_freq=2
+        )
+    with pytest.raises(ValueError, match="local_save_freq"):
+        dt.callbacks.BackupAndRestore(
+            tmp_path / "b", local_directory=tmp_path / "l", local_save_freq=0
+        )
+    with pytest.raises(ValueError, match="local_save_freq was given without local_directory"):
+        dt.callbacks.BackupAndRestore(tmp_path / "b", local_save_freq=2)
+
+
+def _job(tmp_path, port, *extra):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        [str(Path(__file__).parent.parent), env.get("PYTHONPATH", "")]
+    )
+    common = ["--port", str(port), "--dir", str(tmp_path / "p"), "--local", str(tmp_path / "l")]
+    return [
+        ([sys.executable, str(SCRIPT), "--process-id", str(i), *common, *extra], env)
+        for i in range(2)
+    ]
+
+
+def test_two_processes_restore_from_own_peer_and_persistent_copies(tmp_path):
+    results = run_together(_job(tmp_path, free_port(), "--save", "15"), timeout=120)
+    for rc, out, _ in results:
+        assert rc == -9 and "SAVED" in out, out[-3000:]  # SIGKILLed after its saves
+    local = tmp_path / "l"
+    assert sorted(os.listdir(local / "process-0")) == ["12", "14", "peer-of-1"]
+    assert sorted(os.listdir(local / "process-1" / "peer-of-0")) == ["12", "14"]
+
+    results = run_together(_job(tmp_path, free_port(), "--scenarios"), timeout=120)
+    lines = []
+    for rc, out, _ in results:
+        assert rc == 0, out[-3000:]
+        lines.append([x for x in out.splitlines() if x.startswith("RESTORED")])
+    assert lines[0] == lines[1]  # the processes agree
+    assert lines[0] == [
+        "RESTORED as_saved 14 local True",
+        "RESTORED own_lost 14 peer True",
+        "RESTORED peer_garbled 12 local True",
+        "RESTORED node_lost 12 peer True",
+        "RESTORED peer_deleted 10 persistent True",
+    ]
+    assert "peer-of-0" in results[1][1] and "CRC-32" in results[1][1]  # the garbled copy, said
+
+
+def test_the_config_needs_backup_dir_local_dir_and_local_freq_together():
+    from distrain._src.train.config_errors import ConfigError
+
+    base = {"backup_dir": "/tmp/b", "local_dir": "/dev/shm/r", "local_freq": 10}
+    from distrain._src.train.config import CheckpointConfig
+
+    assert CheckpointConfig(**base).local_freq == 10
+    for drop in base:
+        with pytest.raises(ConfigError, match="checkpoint.local_dir"):
+            CheckpointConfig(**{k: v for k, v in base.items() if k != drop})
