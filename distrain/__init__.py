@@ -138,3 +138,7 @@ __all__ = [
     "resolve_cluster",
     "scale_regularization_loss",
 ]
+
+from distrain._src.goodput.ledger import milestone as _milestone  # noqa: E402
+
+_milestone("imported")  # jax and distrain: the goodput report's start-up breakdown

@@ -275,6 +275,15 @@ def test_cli_sigkill_and_rerun_keep_every_log_line_once(tmp_path, tier):
     assert len(r.attempts) == 2 and r.failures == 1
     assert r.attempts[1].resumed_from == resumed_at and r.attempts[1].finished
     assert r.attempts[1].restore[0] == tier and r.attempts[1].restore[1] > 0
+    # Start-up broken down: seconds from the process start to each milestone, in order.
+    marks = r.attempts[1].milestones
+    assert (
+        0
+        < marks["imported"]
+        < marks["model"]
+        < marks["data"]
+        < r.attempts[1].end - r.attempts[1].start
+    )
     assert r.lost_steps_per_failure == (r.attempts[0].last_step - resumed_at,)
     assert r.lost_steps_per_failure[0] > 0 and r.buckets_s["lost"] > 0
     if tier == "local":  # at most one interval, two if killed while the newest was written

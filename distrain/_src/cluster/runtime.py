@@ -56,6 +56,7 @@ import jax
 from distrain._src.cluster.base import ClusterResolver, parse_address
 from distrain._src.cluster.communication import CommunicationOptions
 from distrain._src.cluster.resolve import resolve_cluster
+from distrain._src.goodput.ledger import milestone
 
 # (coordinator address, num_processes, process_id) of the cluster this process joined.
 _joined: tuple[str | None, int, int] | None = None
@@ -398,6 +399,7 @@ def _join(resolver: ClusterResolver, options: CommunicationOptions) -> int:
             )
     finally:
         watchdog.cancel()
+    milestone("distributed")
     return timeout
 
 

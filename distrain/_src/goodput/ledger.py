@@ -154,7 +154,9 @@ class Ledger:
             self._file = open(path, "a")  # noqa: SIM115 - closed by close()/at exit
         Ledger._open[path] = self
         atexit.register(self.close)
-        self._record("start", process_start=self._start, pid=os.getpid())
+        self._record(
+            "start", process_start=self._start, pid=os.getpid(), milestones=dict(_milestones)
+        )
 
     # ----------------------------------------------------------- accounting
     def _charge(self, now: float) -> None:
@@ -251,6 +253,14 @@ class Ledger:
 
 _current: Ledger | None = None
 _restore_note: dict[str, Any] | None = None
+_milestones: dict[str, float] = {}
+
+
+def milestone(name: str) -> None:
+    """Notes the first time this process reached ``name`` (e.g. ``"imported"``,
+    ``"distributed"``, ``"model"``, ``"data"``); a ledger's start record carries them,
+    so the report can break start-up down."""
+    _milestones.setdefault(name, time.time())
 
 
 def note_restore(**fields: Any) -> None:

@@ -51,6 +51,7 @@ class Attempt:
     last_step: int | None
     resumed_from: int | None
     restore: tuple[str, float] | None  # (tier, seconds) of the restore it resumed from
+    milestones: dict[str, float]  # seconds from the process start to each (``milestone``)
     finished: bool  # reached the end of training (a fit_end record)
     saves: tuple[tuple[float, int], ...]
     records: tuple[tuple[float, int | None, dict[str, float]], ...]  # (t, step, totals)
@@ -97,6 +98,7 @@ class Report:
                     "restore": None
                     if a.restore is None
                     else {"source": a.restore[0], "seconds": a.restore[1]},
+                    "milestones_s": a.milestones,
                     "finished": a.finished,
                     "saves": len(a.saves),
                 }
@@ -162,6 +164,8 @@ def _attempts(records: list[dict[str, Any]]) -> list[Attempt]:
             rs[0]["t"] - sum(rs[0]["buckets"].values()),
         )
         steps = [r["step"] for r in rs if r.get("step") is not None]
+        begun = next((r for r in rs if r["event"] == "start"), {})
+        milestones = {k: v - float(start) for k, v in begun.get("milestones", {}).items()}
         resume = next((r for r in rs if r["event"] == "resume"), None)
         resumed = None if resume is None else resume["step"]
         restore = None
@@ -177,6 +181,7 @@ def _attempts(records: list[dict[str, Any]]) -> list[Attempt]:
                 last_step=steps[-1] if steps else None,
                 resumed_from=resumed,
                 restore=restore,
+                milestones=milestones,
                 finished=any(r["event"] == "fit_end" for r in rs),
                 saves=tuple((r["t"], r["step"]) for r in rs if r["event"] == "save"),
                 records=tuple((r["t"], r.get("step"), r["buckets"]) for r in rs),

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
+from distrain._src.goodput.ledger import milestone
 from distrain._src.padding import MASK_KEY
 from distrain._src.train.config import RunConfig, StrategyConfig, config_to_dict
 from distrain._src.train.config_errors import ConfigError
@@ -441,10 +442,12 @@ def run_config(
     state = jax.jit(lambda p, k: TrainState.create(params=p, tx=tx, rng=k, policy=policy))(
         params, jax.random.PRNGKey(cfg.seed + 1)
     )
+    milestone("model")
 
     data_fn = resolve_callable(cfg.data.fn, "data.fn")
     _check_call(data_fn, "data", cfg.data.fn, **cfg.data.kwargs)
     data = _pipelines(cfg, _load_data(cfg, data_fn), strategy.num_replicas_in_sync)
+    milestone("data")
     per_epoch = steps_per_epoch_of(data["train"])
     if cfg.train.steps is None and cfg.train.epochs is not None and per_epoch is not None:
         run = f"train.epochs={cfg.train.epochs} x {per_epoch} steps per epoch"
