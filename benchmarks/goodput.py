@@ -151,6 +151,7 @@ def _run_arm(args: argparse.Namespace, overrides: list[str], local: bool) -> dic
             restores.setdefault(a.restore[0], []).append(round(a.restore[1], 3))
     return {
         "tier": "local" if local else "persistent",
+        "restart_breakdown_s": _breakdown(r.attempts[1:]),
         "kills_at_s": [round(k, 1) for k in kills],
         "wall_s": r.wall_s,
         "measured_wall_s": wall,
@@ -219,9 +220,32 @@ def main(argv: list[str] | None = None) -> int:
             f"measured wall {arm['measured_wall_s']:.1f} s; ledger buckets sum to "
             f"{arm['buckets_sum_vs_measured']:.2%} of it; kills at {arm['kills_at_s']} s; "
             f"lost steps per failure {arm['lost_steps_per_failure']}; restores "
-            f"{arm['restore_s_by_tier']}"
+            f"{arm['restore_s_by_tier']}; a restart's parts {arm['restart_breakdown_s']}"
         )
     return 0
+
+
+def _breakdown(attempts: list) -> dict[str, float | None]:
+    """The mean start-up of the restarted attempts, by part: the process's start to the
+    end of ``import distrain`` (jax included), ``jax.distributed``, the model's and
+    optimizer's state, the data, the restore, and the step's compilation."""
+    parts: dict[str, list[float]] = {}
+    for a in attempts:
+        marks, before = a.milestones, 0.0
+        for name, label in [
+            ("imported", "import"),
+            ("distributed", "jax_distributed"),
+            ("model", "model_init"),
+            ("data", "data"),
+        ]:
+            if name in marks:
+                parts.setdefault(label, []).append(marks[name] - before)
+                before = marks[name]
+        if a.restore is not None:
+            parts.setdefault("restore", []).append(a.restore[1])
+        parts.setdefault("compile", []).append(a.buckets["compile"])
+        parts.setdefault("startup_total", []).append(a.buckets["startup"])
+    return {k: _mean(v) for k, v in parts.items()}
 
 
 def _mean(xs: list[float]) -> float | None:
