@@ -164,8 +164,18 @@ def _read_copy(where: epath.Path) -> _Copy:
         arrays = memoryview((where / "arrays.bin").read_bytes())
     except (OSError, ValueError) as e:
         raise ValueError(f"unreadable ({type(e).__name__}: {e})") from e
-    _verify(manifest, arrays)
+    try:
+        _verify(manifest, arrays)
+    except (KeyError, TypeError, AttributeError) as e:
+        raise ValueError(f"its manifest is malformed ({type(e).__name__}: {e})") from e
     return _Copy(manifest, arrays)
+
+
+def _try_read(where: epath.Path) -> _Copy | None:
+    try:
+        return _read_copy(where)
+    except ValueError:
+        return None
 
 
 def _verify(manifest: dict, arrays: memoryview) -> None:
@@ -275,20 +285,18 @@ def exchange(blob: np.ndarray, pairs: Sequence[tuple[int, int]]) -> np.ndarray |
     key = (tuple(d.id for d in devices), tuple(pairs), size)
     if key not in _shifters:
         mesh = Mesh(np.asarray(devices), ("process",))
-        _shifters[key] = jax.jit(
-            jax.shard_map(
-                lambda x: jax.lax.ppermute(x, "process", list(pairs)),
-                mesh=mesh,
-                in_specs=P("process"),
-                out_specs=P("process"),
-            )
+        shift = jax.shard_map(
+            lambda x: jax.lax.ppermute(x, "process", list(pairs)),
+            mesh=mesh,
+            in_specs=P("process"),
+            out_specs=P("process"),
         )
-        _shifters[key].sharding = NamedSharding(mesh, P("process"))
-    shift = _shifters[key]
+        _shifters[key] = (jax.jit(shift), NamedSharding(mesh, P("process")))
+    shift, sharding = _shifters[key]
     local = np.zeros((1, size), np.uint8)
     local[0, : blob.size] = blob
     x = jax.make_array_from_single_device_arrays(
-        (n, size), shift.sharding, [jax.device_put(local, devices[me])]
+        (n, size), sharding, [jax.device_put(local, devices[me])]
     )
     received = np.asarray(shift(x).addressable_shards[0].data)[0]
     source = [s for s, d in pairs if d == me]
@@ -320,12 +328,14 @@ class LocalTier:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._shift: int | None = None
+        self._writing: int | None = None  # the step the background thread writes
         for leftover in self.own.glob(".*.tmp-*") if self.own.exists() else []:
             shutil.rmtree(leftover, ignore_errors=True)  # a process killed mid-write
 
     def latest_step(self) -> int | None:
-        steps = _steps(self.own)
-        return steps[-1] if steps else None
+        """The newest step saved here, the one being written included."""
+        steps = _steps(self.own) + ([self._writing] if self._writing is not None else [])
+        return max(steps) if steps else None
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: PyTree, data_json: Any, meta_json: Any) -> None:
@@ -356,6 +366,7 @@ class LocalTier:
             except BaseException as e:  # noqa: BLE001 - raised by the next save or wait
                 self._error = e
 
+        self._writing = step
         self._thread = threading.Thread(target=write, name="distrain-local-save", daemon=True)
         self._thread.start()
 
@@ -363,6 +374,7 @@ class LocalTier:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
+        self._writing = None
         error, self._error = self._error, None
         if error is not None:
             raise OSError(
@@ -428,26 +440,32 @@ class LocalTier:
         if step is None:
             return None
         pairs = [(holds[q][0], q) for q in range(n) if step not in owns[q]]
-        copy = None
+        # From here on no process may raise alone (the others would wait in a
+        # collective): a copy that vanished or broke since the scan is a failure all
+        # processes agree on, and the persistent tier is used.
+        copy, reason = None, f"its copy of step {step} could not be read back"
         if step in owns[me]:
-            copy = _read_copy(self.own / str(step))
+            copy = _try_read(self.own / str(step))
         if pairs:
-            sending = any(src == me for src, _ in pairs)
             blob = np.zeros(0, np.uint8)
-            if sending:
-                c = _read_copy(peers[0] / str(step))
-                blob = _to_blob(c.manifest, [np.frombuffer(c.arrays, np.uint8)])
+            if any(src == me for src, _ in pairs):
+                c = _try_read(peers[0] / str(step))
+                if c is not None:
+                    blob = _to_blob(c.manifest, [np.frombuffer(c.arrays, np.uint8)])
             got = exchange(blob, pairs)
-            if got is not None:
+            if got is not None and got.size:
                 head, arrays = _from_blob(got)
-                _verify(head, arrays)
-                copy = _Copy(head, arrays)
-        assert copy is not None
-        # The copy a process got from its peer was not checked against its target yet.
-        reason = layout_difference(copy.manifest, target)
+                try:
+                    _verify(head, arrays)
+                    copy = _Copy(head, arrays)
+                except ValueError:
+                    pass
+        if copy is not None:
+            # A copy from the peer was not checked against this process's target yet.
+            reason = layout_difference(copy.manifest, target)
         if _gather([0 if reason is None else 1])[:, 0].any():
             warnings.warn(
-                "Local checkpoint tier ignored: the state's layout changed since it was saved "
+                f"Local checkpoint tier ignored: step {step} cannot be restored as saved "
                 f"({reason or 'on another process'}); restoring from the persistent checkpoints.",
                 stacklevel=3,
             )
