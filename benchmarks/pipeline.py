@@ -5,8 +5,10 @@ per device without pipelining, against ``{"stage": 4}`` x 2 replicas with M in
 {4, 8, 16} microbatches (``dt.nn.pipeline``), stacked parameters laid out
 ``P("stage")``. Reported per configuration: median steps/s over interleaved rounds, the
 ticks of the schedule (M R + S - 1) and the bubble it implies ((S - 1) / (M R + S - 1)),
-and the compiled step's per-device peak and argument bytes
-(``strategy.memory_analysis``).
+the compiled step's per-device peak and argument bytes
+(``strategy.memory_analysis``) and the bytes its all-reduces move per device (the
+gradients' across the 2 replicas, and the pipeline's own: none since its outputs stay
+split over the stages).
 
 On virtual CPU devices the stages do not run in parallel (8 devices share the
 machine's cores), so steps/s here measure the schedule's total work (the bubble's ticks
@@ -22,9 +24,28 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import time
 from typing import Any
+
+_DTYPE_BYTES = {"f32": 4, "bf16": 2, "f16": 2, "s32": 4, "u32": 4, "f64": 8, "s8": 1, "u8": 1}
+
+
+def all_reduce_bytes(hlo: str) -> int:
+    """Bytes of the all-reduce results in optimized HLO text, each counted once (the
+    schedule's all-reduces are outside its loop; the gradients' too)."""
+    total = 0
+    for line in hlo.splitlines():
+        if " all-reduce(" not in line and " all-reduce-start(" not in line:
+            continue
+        result = line.split("=", 1)[1].split("all-reduce", 1)[0]
+        for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", result):
+            n = 1
+            for d in filter(None, dims.split(",")):
+                n *= int(d)
+            total += n * _DTYPE_BYTES.get(dtype, 4)
+    return total
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -79,6 +100,7 @@ def main(argv: list[str] | None = None) -> int:
             batch = s.distribute_batch(x)
             step = make_step(m)
             memory = s.memory_analysis(step, args=(state, batch))
+            memory["all_reduce_bytes"] = all_reduce_bytes(s.compile(step, (state, batch)).as_text())
             state, _ = s.run(step, args=(state, batch))
             jax.block_until_ready(state)
         prepared[name] = [s, step, state, batch, memory, []]
@@ -101,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             "bubble_theory": None if m is None else (stages - 1) / ticks,
             "peak_bytes": memory["peak_bytes"],
             "argument_bytes": memory["argument_bytes"],
+            "all_reduce_bytes": memory["all_reduce_bytes"],
         }
         bubble = (
             ""
@@ -110,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
         print(
             f"{name:>14}: {report[name]['steps_per_s']:7.1f} steps/s, peak "
             f"{memory['peak_bytes'] / 2**20:6.2f} MiB/device, arguments "
-            f"{memory['argument_bytes'] / 2**20:6.2f} MiB/device{bubble}",
+            f"{memory['argument_bytes'] / 2**20:6.2f} MiB/device, all-reduced "
+            f"{memory['all_reduce_bytes'] / 2**20:6.2f} MiB/device/step{bubble}",
             flush=True,
         )
     if args.json:

@@ -57,6 +57,7 @@ def test_without_a_stage_axis_it_is_a_scan_over_the_layers():
         ({"stage": 4}, 8, 2, False),
         ({"stage": 2}, 2, 2, True),
         ({"stage": 2, "fsdp": 2}, 4, 1, jax.checkpoint_policies.dots_saveable),
+        ({"stage": 4}, 2, 1, False),  # fewer microbatches than stages: outputs all-reduced
     ],
 )
 def test_values_and_gradients_equal_the_unpipelined_layers(
@@ -76,6 +77,23 @@ def test_values_and_gradients_equal_the_unpipelined_layers(
         g = got_g[name]
         g = first(g)[0] if isinstance(g, dt.PerReplica) else g
         np.testing.assert_allclose(g, want_g[name], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("microbatches, all_reduces", [(8, 0), (4, 0), (2, 1), (6, 1)])
+def test_outputs_stay_split_over_the_stages_when_the_microbatches_divide(
+    devices, microbatches, all_reduces
+):
+    """Stage o keeps microbatches o M/S .. (o + 1) M/S - 1: no all-reduce of the output
+    (S zero-padded copies of it) unless M is not a multiple of S."""
+    strategy = dt.MirroredStrategy(devices[:4], devices_per_replica={"stage": 4})
+    rows = 48  # divisible by every M above
+    x = jax.random.normal(jax.random.key(1), (rows, D))
+    args = (strategy.put_replicated(stacked()), x)
+    forward = lambda p, x: pipeline(layer, p, x, microbatches=microbatches)  # noqa: E731
+    hlo = strategy.compile(forward, args).as_text()
+    assert hlo.count("all-reduce(") == all_reduces
+    got = strategy.experimental_local_results(strategy.run(forward, args=args))[0]
+    np.testing.assert_allclose(got, unpipelined(stacked(), x), rtol=1e-5, atol=1e-6)
 
 
 def gated(p, h, aux):

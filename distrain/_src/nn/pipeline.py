@@ -21,7 +21,10 @@ around the ring ``R`` times). Microbatches enter in groups of ``S``: microbatch
 Memory. Each stage holds ``1/S`` of the stacked parameters (lay them out with a
 ``P("stage")`` rule on their leading dimension; other layouts are resharded, correct but
 slower) and, for the backward pass, its activations for every tick (``remat=True``
-keeps only each chunk's input and recomputes the rest).
+keeps only each chunk's input and recomputes the rest). When ``M`` is a multiple of
+``S`` the output stays split over the stages (stage ``o`` keeps microbatches
+``o M/S .. (o + 1) M/S - 1``): no stage holds all of it, and nothing is all-reduced;
+otherwise the last stage's outputs are all-reduced over ``axis``.
 
 Per-row values every layer reads and none changes (a transformer's segment ids,
 positions or rotary tables) go in ``aux``: they are cut into the same microbatches, and
@@ -123,11 +126,14 @@ def pipeline(
     def chunk(p: Any, h: jax.Array, a: Any) -> jax.Array:
         return _scan(fn, p, h, a)
 
+    # The output stays split over the stages (stage o keeps microbatches o M/S ..
+    # (o + 1) M/S - 1) when they divide evenly; otherwise every stage gets all of it.
+    split = microbatches % stages == 0
     run = jax.shard_map(
-        lambda p, xs, auxs: _schedule(checkpoint(chunk), p, xs, auxs, stages, repeats, axis),
+        lambda p, xs, auxs: _schedule(checkpoint(chunk), p, xs, auxs, stages, repeats, axis, split),
         mesh=mesh,
         in_specs=(jax.tree.map(lambda _: P(axis), params), P(), P()),
-        out_specs=P(),
+        out_specs=P(axis) if split else P(),
         axis_names={axis},
         check_vma=False,
     )
@@ -160,16 +166,30 @@ def _schedule(
     stages: int,
     repeats: int,
     axis: str,
+    split: bool,
 ) -> jax.Array:
-    """One stage's part of the schedule (inside the shard_map over ``axis``)."""
+    """One stage's part of the schedule (inside the shard_map over ``axis``).
+
+    With ``split`` each finished microbatch travels from the last stage to the stage
+    that keeps it (``m // (M / S)``) one hop per tick, in a slot that rides the same
+    ring as the activations: no stage ever holds more than ``M / S`` outputs and no
+    all-reduce is needed. Otherwise the last stage's outputs are all-reduced.
+    """
     s = jax.lax.axis_index(axis)
     params = jax.tree.map(lambda a: a[0], params)  # this stage's [R, K, ...]
     ring = [(i, (i + 1) % stages) for i in range(stages)]
     period = stages * repeats
     microbatches = xs.shape[0]
+    kept = microbatches // stages if split else microbatches
 
-    def tick(carry: tuple[jax.Array, jax.Array], t: jax.Array) -> Any:
-        incoming, outs = carry
+    def deliver(outs: jax.Array, flying: jax.Array, tag: jax.Array) -> tuple[jax.Array, Any]:
+        """Keeps the flying output if it is this stage's; returns the slot's new tag."""
+        here = (tag >= 0) & (tag // kept == s)
+        i = jnp.clip(tag - s * kept, 0, kept - 1)
+        return outs.at[i].set(jnp.where(here, flying, outs[i])), jnp.where(here, -1, tag)
+
+    def tick(carry: Any, t: jax.Array) -> Any:
+        incoming, outs, flying, tag = carry
         u = t - s  # this stage's place in the schedule
         g, rem = u // period, u % period
         r, j = rem // stages, rem % stages
@@ -179,14 +199,34 @@ def _schedule(
         h = jnp.where(fresh, xs[m], incoming)
         y = chunk(jax.tree.map(lambda a: a[r], params), h, jax.tree.map(lambda a: a[m], auxs))
         done = valid & (s == stages - 1) & (r == repeats - 1)
-        outs = outs.at[m].set(jnp.where(done, y, outs[m]))
-        return (jax.lax.ppermute(y, axis, ring), outs), None
+        if not split:
+            outs = outs.at[m].set(jnp.where(done, y, outs[m]))
+            return (jax.lax.ppermute(y, axis, ring), outs, flying, tag), None
+        # What arrived is delivered first; then a finished microbatch takes the slot (an
+        # output never comes back to the last stage undelivered, so the slot is free).
+        outs, tag = deliver(outs, flying, tag)
+        flying, tag = jnp.where(done, y, flying), jnp.where(done, m, tag)
+        outs, tag = deliver(outs, flying, tag)
+        flying, tag = jax.lax.ppermute((flying, tag), axis, ring)
+        return (jax.lax.ppermute(y, axis, ring), outs, flying, tag), None
 
     ticks = jnp.arange(microbatches * repeats + stages - 1)
-    init = (jnp.zeros_like(xs[0]), jnp.zeros_like(xs))
-    (_, outs), _ = jax.lax.scan(tick, init, ticks)
-    # Only the last stage wrote outputs; every stage returns them (the replica's result).
-    return jax.lax.psum(jnp.where(s == stages - 1, outs, jnp.zeros_like(outs)), axis)
+    slot = jnp.zeros_like(xs[0]) if split else jnp.zeros((), xs.dtype)
+    init = (jnp.zeros_like(xs[0]), jnp.zeros((kept, *xs.shape[1:]), xs.dtype), slot, jnp.int32(-1))
+    (_, outs, flying, tag), _ = jax.lax.scan(tick, init, ticks)
+    if not split:
+        # Only the last stage wrote outputs; every stage returns them (the replica's result).
+        return jax.lax.psum(jnp.where(s == stages - 1, outs, jnp.zeros_like(outs)), axis)
+
+    def drain(carry: Any, _: Any) -> Any:  # the last outputs still on their way
+        outs, flying, tag = carry
+        outs, tag = deliver(outs, flying, tag)
+        flying, tag = jax.lax.ppermute((flying, tag), axis, ring)
+        return (outs, flying, tag), None
+
+    (outs, flying, tag), _ = jax.lax.scan(drain, (outs, flying, tag), None, length=stages - 1)
+    outs, _ = deliver(outs, flying, tag)
+    return outs
 
 
 def _check(
