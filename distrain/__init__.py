@@ -43,13 +43,13 @@ from distrain._src.current import get_strategy as get_strategy
 from distrain._src.losses import compute_average_loss as compute_average_loss
 from distrain._src.losses import scale_regularization_loss as scale_regularization_loss
 from distrain._src.strategy.base import Strategy as Strategy
-from distrain._src.strategy.layout import OrderedAxisRules as OrderedAxisRules
 from distrain._src.strategy.mirrored import MirroredStrategy as MirroredStrategy
 from distrain._src.strategy.multi_worker import (
     MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy,
 )
 from distrain._src.strategy.one_device import OneDeviceStrategy as OneDeviceStrategy
 from distrain._src.strategy.replica_layout import ReplicaLayout as ReplicaLayout
+from distrain._src.strategy.rules import OrderedAxisRules as OrderedAxisRules
 from distrain._src.strategy.tpu import TPUStrategy as TPUStrategy
 from distrain._src.train.accumulation import accumulate_gradients as accumulate_gradients
 from distrain._src.train.history import History as History

@@ -143,7 +143,9 @@ def test_layout_errors_name_what_is_wrong(devices):
         dt.MirroredStrategy(devices_per_replica=MESH_42, logical_axis_rules={"embed": "model"})
     with pytest.raises(ValueError, match=r"uses an axis twice"):
         dt.MirroredStrategy(devices_per_replica=MESH_42, layout={"up": P("fsdp", "fsdp")})
-    with pytest.raises(ValueError, match=r"dimension 1 of 'w' \(shape \(4, 6\)\) over 8 devices"):
+    with pytest.raises(
+        ValueError, match=r"dimension 1 of the leaf 'w' \(shape \(4, 6\)\) over 8 devices"
+    ):
         dt.MirroredStrategy(
             devices_per_replica=MESH_42, layout={"w": P(None, ("fsdp", "tensor"))}
         ).put_replicated({"w": jnp.zeros((4, 6))})
@@ -343,6 +345,33 @@ def test_a_batch_layout_splits_the_sequence_over_context(devices):
             np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
 
 
+def test_batch_layout_speaks_the_layout_rules_dialect(devices):
+    """One rule engine: tuples, (pattern, spec) pairs and logical names, as for state."""
+    want = P(("replica", "fsdp"), "context")
+    rules = {"embed": "fsdp", "sequence": "context"}
+
+    def make(batch_layout, logical=rules):
+        return dt.MirroredStrategy(
+            devices_per_replica={"fsdp": 2, "context": 4},
+            layout={"w": P("embed")},
+            logical_axis_rules=logical,
+            batch_layout=batch_layout,
+        )
+
+    state = {"w": np.zeros((4, 2), np.float32)}
+    for strategy in (
+        make({"tokens": (None, "context")}, {"embed": "fsdp"}),
+        make([("tokens", P(None, "context"))], {"embed": "fsdp"}),
+        make({"tokens": P(None, "sequence")}),
+    ):
+        batch = strategy.distribute_batch({"tokens": np.zeros((4, 8), np.int32)})
+        assert batch.value["tokens"].sharding.spec == want
+        assert strategy.put_replicated(state)["w"].sharding.spec == P("fsdp")
+    # A logical name that neither the state's nor the batches' specs use is an error.
+    with pytest.raises(ValueError, match=r"names \['sequence'\], which no layout spec uses"):
+        make({"tokens": (None, "context")}).put_replicated(state)
+
+
 def test_batch_layout_errors(devices):
     def make(layout, dpr=CONTEXT):
         return dt.MirroredStrategy(devices_per_replica=dpr, batch_layout=layout)
@@ -351,15 +380,15 @@ def test_batch_layout_errors(devices):
         make({"tokens": P(None, "context")}, dpr=1)
     with pytest.raises(ValueError, match=r"first entry stands for the rows"):
         make({"tokens": P("context")})
-    with pytest.raises(ValueError, match=r"names 'seq', which is not an inner axis"):
+    with pytest.raises(ValueError, match=r"names 'seq', which is neither an axis of the replica"):
         make({"tokens": P(None, "seq")})
-    with pytest.raises(ValueError, match=r"must be a jax.sharding.PartitionSpec"):
-        make({"tokens": (None, "context")})
+    with pytest.raises(ValueError, match=r"must give a jax.sharding.PartitionSpec \(or a tuple\)"):
+        make({"tokens": "context"})
     strategy = make({"tokens": P(None, "context")})
     odd = {"tokens": np.zeros((16, 6), np.int32)}
     with pytest.raises(
         ValueError,
-        match=r"dimension 1 of the batch leaf 'tokens' \(shape \(16, 6\)\) over 4 .* multiple of 4",
+        match=r"dimension 1 of the leaf 'tokens' \(shape \(16, 6\)\) over 4 .* multiple of 4",
     ):
         strategy.distribute_batch(odd)
     with pytest.raises(ValueError, match=r"leaf 'tokens' has shape \(16,\) .* does not exist"):

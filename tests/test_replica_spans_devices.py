@@ -297,7 +297,9 @@ def test_errors(devices):
     strategy = dt.MirroredStrategy(
         devices[:3], devices_per_replica=3, layout={"out/kernel": P(None, "model")}
     )
-    with pytest.raises(ValueError, match=r"dimension 1 of 'out/kernel' \(shape \(256, 8\)\)"):
+    with pytest.raises(
+        ValueError, match=r"dimension 1 of the leaf 'out/kernel' \(shape \(256, 8\)\)"
+    ):
         strategy.put_replicated(mlp_state().params)
     with pytest.raises(TypeError, match="needs a function as `fn`"):
         strategy.memory_analysis(42)

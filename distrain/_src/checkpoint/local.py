@@ -62,7 +62,8 @@ class LocalRestore(NamedTuple):
 
 
 # ---------------------------------------------------------------- serialising
-def _index(idx: tuple[slice, ...], shape: Sequence[int]) -> list[list[int]]:
+def _index(idx: tuple[slice, ...] | None, shape: Sequence[int]) -> list[list[int]]:
+    assert idx is not None  # addressable shards and device index maps always have one
     return [list(s.indices(n)[:2]) for s, n in zip(idx, shape, strict=True)]
 
 
@@ -102,7 +103,7 @@ def _pack(
     chunks, offset = [], 0
     for (shard, _), data in zip(pending, host, strict=True):
         data = np.ascontiguousarray(data).reshape(-1).view(np.uint8)  # bfloat16 has no buffer
-        shard.update(offset=offset, nbytes=data.nbytes, crc32=zlib.crc32(data))
+        shard.update(offset=offset, nbytes=data.nbytes, crc32=zlib.crc32(data.data))
         offset += data.nbytes
         chunks.append(data)
     manifest = {
@@ -126,7 +127,7 @@ def _to_blob(manifest: dict, chunks: list[np.ndarray]) -> np.ndarray:
 
 def _from_blob(blob: np.ndarray) -> tuple[dict, memoryview]:
     n = int.from_bytes(blob[:8].tobytes(), "little")
-    return json.loads(blob[8 : 8 + n].tobytes()), memoryview(blob[8 + n :])
+    return json.loads(blob[8 : 8 + n].tobytes()), blob[8 + n :].data
 
 
 def _write_step(parent: epath.Path, step: int, manifest: dict, data: Any, keep: int) -> None:
@@ -224,8 +225,9 @@ def layout_difference(manifest: dict, target: PyTree) -> str | None:
             for d in s["devices"]
         }
         for device, idx in sharding.addressable_devices_indices_map(shape).items():
-            if (device.id, json.dumps(_index(idx, shape))) not in held:
-                return f"leaf {path!r} is placed differently (device {device.id})"
+            d: Any = device
+            if (d.id, json.dumps(_index(idx, shape))) not in held:
+                return f"leaf {path!r} is placed differently (device {d.id})"
     return None
 
 
@@ -243,6 +245,7 @@ def _unpack(copy: _Copy, target: PyTree) -> PyTree:
             return np.frombuffer(raw, dtype).reshape(shape)
 
         sharding = _placement(x, shape)
+        value: Any
         if sharding is None:
             value = read(leaf["shards"][0], shape).copy()
         else:
@@ -470,6 +473,7 @@ class LocalTier:
                 stacklevel=3,
             )
             return None
+        assert copy is not None  # agreed above: every process has its copy
         state = _unpack(copy, target)
         m = copy.manifest
         return LocalRestore(

@@ -37,7 +37,6 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from jax.sharding import NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from distrain._src import context
 from distrain._src.cluster.base import ClusterResolver
@@ -52,9 +51,9 @@ from distrain._src.strategy import _checks
 from distrain._src.strategy import layout as _layout
 from distrain._src.strategy.base import Strategy
 from distrain._src.strategy.devices import DeviceSpec, parse_devices
-from distrain._src.strategy.layout import LayoutRules, LogicalAxisRules
 from distrain._src.strategy.replica_layout import is_abstract
 from distrain._src.strategy.replica_mesh import DevicesPerReplica
+from distrain._src.strategy.rules import LayoutRules, LogicalAxisRules
 from distrain._src.strategy.sharded import DEFAULT_MIN_SHARD_BYTES
 from distrain._src.values import PerGroup, PerReplica
 
@@ -129,7 +128,7 @@ class DiLoCoStrategy(Strategy):
         devices_per_replica: DevicesPerReplica = 1,
         layout: LayoutRules | None = None,
         logical_axis_rules: LogicalAxisRules | None = None,
-        batch_layout: Mapping[str, P] | None = None,
+        batch_layout: LayoutRules | None = None,
         min_shard_bytes: int = DEFAULT_MIN_SHARD_BYTES,
     ) -> None:
         # Everything is checked before a device is touched.

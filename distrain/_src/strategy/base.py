@@ -20,14 +20,13 @@ Who owns what (one concept per module):
 from __future__ import annotations
 
 import abc
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager
 from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
-from jax.sharding import PartitionSpec as P
 
 from distrain._src import context
 from distrain._src.context import ReduceOp
@@ -74,7 +73,7 @@ class Strategy(abc.ABC):
         devices_per_replica: replica_mesh.DevicesPerReplica = 1,
         layout: _layout.LayoutRules | None = None,
         logical_axis_rules: _layout.LogicalAxisRules | None = None,
-        batch_layout: Mapping[str, P] | None = None,
+        batch_layout: _layout.LayoutRules | None = None,
         min_shard_bytes: int = sharded.DEFAULT_MIN_SHARD_BYTES,
         shard_state: bool | str = False,
         replica_groups: tuple[str, int] | None = None,

@@ -2,17 +2,16 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Literal
 
 import jax
-from jax.sharding import PartitionSpec
 
 from distrain._src.cross_device_ops import CrossDeviceOps
 from distrain._src.strategy.base import Strategy
 from distrain._src.strategy.devices import DeviceSpec, parse_devices
-from distrain._src.strategy.layout import LayoutRules, LogicalAxisRules
 from distrain._src.strategy.replica_mesh import DevicesPerReplica
+from distrain._src.strategy.rules import LayoutRules, LogicalAxisRules
 from distrain._src.strategy.sharded import DEFAULT_MIN_SHARD_BYTES
 
 
@@ -62,7 +61,7 @@ class MirroredStrategy(Strategy):
         devices_per_replica: DevicesPerReplica = 1,
         layout: LayoutRules | None = None,
         logical_axis_rules: LogicalAxisRules | None = None,
-        batch_layout: Mapping[str, PartitionSpec] | None = None,
+        batch_layout: LayoutRules | None = None,
     ) -> None:
         super().__init__(
             parse_devices(devices),

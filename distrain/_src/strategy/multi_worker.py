@@ -27,18 +27,16 @@ Example:
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Literal
 
 import jax
-from jax.sharding import PartitionSpec
 
 from distrain._src.cluster.base import ClusterResolver
 from distrain._src.cluster.communication import CommunicationOptions
 from distrain._src.cluster.runtime import initialize_distributed
 from distrain._src.strategy.base import Strategy
-from distrain._src.strategy.layout import LayoutRules, LogicalAxisRules
 from distrain._src.strategy.replica_mesh import DevicesPerReplica
+from distrain._src.strategy.rules import LayoutRules, LogicalAxisRules
 from distrain._src.strategy.sharded import DEFAULT_MIN_SHARD_BYTES
 
 
@@ -94,7 +92,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         devices_per_replica: DevicesPerReplica = 1,
         layout: LayoutRules | None = None,
         logical_axis_rules: LogicalAxisRules | None = None,
-        batch_layout: Mapping[str, PartitionSpec] | None = None,
+        batch_layout: LayoutRules | None = None,
     ) -> None:
         if communication_options is not None and not isinstance(
             communication_options, CommunicationOptions

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from contextlib import AbstractContextManager
 from typing import Any, Literal, final
 
@@ -37,6 +37,7 @@ from distrain._src.data.options import per_replica_size
 from distrain._src.strategy import layout as _layout
 from distrain._src.strategy import replica_mesh, sharded
 from distrain._src.strategy.batch_layout import BatchLayout
+from distrain._src.strategy.rules import Names
 
 REPLICA_AXIS = "replica"
 
@@ -91,7 +92,7 @@ class ReplicaLayout:
         devices_per_replica: replica_mesh.DevicesPerReplica = 1,
         layout: _layout.LayoutRules | None = None,
         logical_axis_rules: _layout.LogicalAxisRules | None = None,
-        batch_layout: Mapping[str, P] | None = None,
+        batch_layout: _layout.LayoutRules | None = None,
         min_shard_bytes: int = sharded.DEFAULT_MIN_SHARD_BYTES,
         shard_state: bool | Literal["process"] = False,
         replica_groups: tuple[str, int] | None = None,
@@ -141,16 +142,12 @@ class ReplicaLayout:
         # Where state lives: whole on every device (None), or a Layout over the inner
         # axes, or over the replicas (shard_state).
         self._rules: _layout.Layout | None = None
+        # One table of names for the state's and the batches' specs: a logical name
+        # either uses counts as used.
+        names = Names(tuple(inner), logical_axis_rules) if inner else None
         if inner:
             fsdp = _layout.FSDP_AXIS if _layout.FSDP_AXIS in inner else next(iter(inner))
-            self._rules = _layout.Layout(
-                self._mesh,
-                fsdp,
-                layout,
-                min_shard_bytes,
-                axes=tuple(inner),
-                logical_axis_rules=logical_axis_rules,
-            )
+            self._rules = _layout.Layout(self._mesh, fsdp, layout, min_shard_bytes, names=names)
         elif shard_state:
             mesh = (
                 sharded.within_processes(self._devices, axis)
@@ -169,7 +166,9 @@ class ReplicaLayout:
         self._batch_layout = (
             None
             if batch_layout is None
-            else BatchLayout(self._mesh, self._replica_axes, batch_layout, row_axes=self._row_axes)
+            else BatchLayout(
+                self._mesh, self._replica_axes, batch_layout, row_axes=self._row_axes, names=names
+            )
         )
 
     # ------------------------------------------------------------------ the mesh

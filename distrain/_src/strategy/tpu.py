@@ -44,8 +44,8 @@ from jax.sharding import PartitionSpec
 from distrain._src.cluster import tpu_system
 from distrain._src.cluster.base import ClusterResolver
 from distrain._src.strategy.base import Strategy
-from distrain._src.strategy.layout import LayoutRules, LogicalAxisRules
 from distrain._src.strategy.replica_mesh import DevicesPerReplica
+from distrain._src.strategy.rules import LayoutRules, LogicalAxisRules
 from distrain._src.strategy.sharded import DEFAULT_MIN_SHARD_BYTES
 
 
@@ -220,7 +220,7 @@ class TPUStrategy(Strategy):
         devices_per_replica: DevicesPerReplica | None = None,
         layout: LayoutRules | None = None,
         logical_axis_rules: LogicalAxisRules | None = None,
-        batch_layout: Mapping[str, PartitionSpec] | None = None,
+        batch_layout: LayoutRules | None = None,
     ) -> None:
         cluster_resolver = _once("cluster_resolver", cluster_resolver, tpu_cluster_resolver)
         assignment = _once(
