@@ -49,6 +49,7 @@ from distrain._src.pytree import PyTree
 
 FORMAT = "distrain.local/1"
 _SLOTS = 8  # steps each process reports at restore (keep is at most this)
+_MIB = 1 << 20
 
 
 class LocalRestore(NamedTuple):
@@ -282,8 +283,9 @@ def exchange(blob: np.ndarray, pairs: Sequence[tuple[int, int]]) -> np.ndarray |
     n, me = jax.process_count(), jax.process_index()
     lengths = np.asarray(multihost_utils.process_allgather(np.asarray([blob.size], np.int64)))
     lengths = lengths.reshape(-1)
-    # Rounded up to a power of two: a state that grows a little reuses the compiled shift.
-    size = 1 << max(int(lengths.max()) - 1, 1).bit_length()
+    # Rounded up to whole MiB: metadata that grows a little (the history) reuses the
+    # compiled shift, without the up-to-2x padding of a power of two.
+    size = max(1, -(-int(lengths.max()) // _MIB)) * _MIB
     devices = _process_devices()
     key = (tuple(d.id for d in devices), tuple(pairs), size)
     if key not in _shifters:
@@ -296,14 +298,15 @@ def exchange(blob: np.ndarray, pairs: Sequence[tuple[int, int]]) -> np.ndarray |
         )
         _shifters[key] = (jax.jit(shift), NamedSharding(mesh, P("process")))
     shift, sharding = _shifters[key]
-    local = np.zeros((1, size), np.uint8)
+    local = np.empty((1, size), np.uint8)
     local[0, : blob.size] = blob
+    local[0, blob.size :] = 0
     x = jax.make_array_from_single_device_arrays(
         (n, size), sharding, [jax.device_put(local, devices[me])]
     )
     received = np.asarray(shift(x).addressable_shards[0].data)[0]
     source = [s for s, d in pairs if d == me]
-    return received[: lengths[source[0]]].copy() if source else None
+    return received[: lengths[source[0]]] if source else None  # a host copy already
 
 
 def peer_shift() -> int:
