@@ -325,3 +325,36 @@ def test_experts_toy_runs(tmp_path):
     assert set(runs) == {"balance_loss_0.01", "balance_loss_0"}
     assert all(len(r["moe_load_cv_by_window"]) == 2 for r in runs.values())
     assert "expert load CV" in proc.stdout
+
+
+def test_pipeline_script_reports_no_pipeline_all_reduce(tmp_path):
+    """benchmarks/pipeline.py at a small width: the pipelined steps all-reduce only the
+    gradients (a quarter of mirrored's: the stacked parameters are split over 4 stages)."""
+    out = tmp_path / "pipeline.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.pipeline", "--rounds", "1", "--steps", "1",
+         "--width", "64", "--json", str(out)],
+        cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},  # its 8 devices
+        capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r = json.loads(out.read_text())
+    assert r["stage4_M8"]["all_reduce_bytes"] < r["mirrored"]["all_reduce_bytes"] / 3
+    assert r["stage4_M4"]["argument_bytes"] < r["mirrored"]["argument_bytes"]
+
+
+def test_goodput_toy_resumes_from_the_local_tier(tmp_path):
+    """benchmarks/goodput.py --toy --arms local: a real 2-process job, one SIGKILL, the
+    restart resumes from the local tier and the ledger accounts for the wall time."""
+    out = tmp_path / "goodput.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.goodput", "--toy", "--arms", "local",
+         "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    r = json.loads(out.read_text())
+    assert r["failures"] == 1 and r["restore_s_by_tier"].keys() == {"local"}
+    assert 0 <= r["lost_steps_per_failure"][0] <= r["local_freq"]
+    assert abs(r["buckets_sum_vs_measured"] - 1) < 0.15  # the launcher's own start and exit
+    assert (tmp_path / "goodput.png").exists()
