@@ -119,9 +119,15 @@ def test_steps_past_the_restored_one_are_dropped_never_restored_later(tmp_path):
 def test_save_local_and_delete_local(tmp_path):
     with _manager(tmp_path) as mgr:
         assert mgr.save_local(3, _state(3)) is True  # not a multiple of 2: save_local ignores it
-        assert mgr.save_local(3, _state(3)) is False  # not newer
+        assert mgr.save_local(5, _state(5)) is True
+        # An older step replaces the newer ones (a timeline the caller went back from):
+        # decided alike on every process, whatever its own directory holds.
+        assert mgr.save_local(4, _state(4)) is True
         mgr.wait_until_finished()
-        assert os.listdir(tmp_path / "local" / "process-0") == ["3"]
+        assert sorted(os.listdir(tmp_path / "local" / "process-0")) == ["3", "4"]
+        assert mgr.save(10, _state(10)) is True  # persistent
+        assert mgr.save_local(9, _state(9)) is False  # not newer than the persistent step
+        mgr.wait_until_finished()
         mgr.delete_local()
         assert not (tmp_path / "local" / "process-0").exists()
     with dt.checkpoint.CheckpointManager(tmp_path / "p2") as plain:

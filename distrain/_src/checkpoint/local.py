@@ -334,14 +334,8 @@ class LocalTier:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._shift: int | None = None
-        self._writing: int | None = None  # the step the background thread writes
         for leftover in self.own.glob(".*.tmp-*") if self.own.exists() else []:
             shutil.rmtree(leftover, ignore_errors=True)  # a process killed mid-write
-
-    def latest_step(self) -> int | None:
-        """The newest step saved here, the one being written included."""
-        steps = _steps(self.own) + ([self._writing] if self._writing is not None else [])
-        return max(steps) if steps else None
 
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: PyTree, data_json: Any, meta_json: Any) -> None:
@@ -372,7 +366,6 @@ class LocalTier:
             except BaseException as e:  # noqa: BLE001 - raised by the next save or wait
                 self._error = e
 
-        self._writing = step
         self._thread = threading.Thread(target=write, name="distrain-local-save", daemon=True)
         self._thread.start()
 
@@ -380,7 +373,6 @@ class LocalTier:
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
-        self._writing = None
         error, self._error = self._error, None
         if error is not None:
             raise OSError(

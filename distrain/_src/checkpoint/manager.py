@@ -282,8 +282,11 @@ class CheckpointManager:
 
         This process's shards are copied to the host and sent to its peer before this
         returns; both copies are written in the background. All processes call it
-        together. Skipped (False) when ``step`` is not newer than the newest local or
-        persistent checkpoint.
+        together. Skipped (False) when ``step`` is not newer than the newest persistent
+        checkpoint; local steps at or after ``step`` are replaced (they are of a
+        timeline this one abandoned). Whether to save is decided from what every
+        process sees alike, never from its own local directory, which may have been
+        lost: a process that skipped while its peers saved would leave them waiting.
 
         Raises:
           ValueError: without a ``local_directory``, or for a bad ``step``.
@@ -298,9 +301,10 @@ class CheckpointManager:
             )
         if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
             raise ValueError(f"Expected `step` to be a non-negative int; received {step!r}.")
-        newest = max(self._mgr.latest_step() or -1, self._local.latest_step() or -1)
-        if step <= newest:
+        latest = self._mgr.latest_step()
+        if latest is not None and step <= latest:
             return False
+        self._local.drop_newer_than(int(step) - 1)
         data_json = _layout.to_json(data_state, "`data_state`")
         meta_json = _layout.to_json(metadata, "`metadata`")
         self._local.save(int(step), state, data_json, meta_json)
