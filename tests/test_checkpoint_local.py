@@ -212,3 +212,23 @@ def test_the_config_needs_backup_dir_local_dir_and_local_freq_together():
     for drop in base:
         with pytest.raises(ValueError, match="checkpoint.local_dir"):
             CheckpointConfig(**{k: v for k, v in base.items() if k != drop})
+
+
+def test_backup_and_restore_checks_the_local_directory_before_any_step(tmp_path):
+    import optax
+
+    (tmp_path / "file").write_text("")
+    steps = []
+
+    def train_step(state, batch):
+        steps.append(1)
+        return state, {}
+
+    backup = dt.callbacks.BackupAndRestore(
+        tmp_path / "b", local_directory=tmp_path / "file" / "local", local_save_freq=2
+    )
+    data = dt.data.ArrayPipeline({"x": np.ones((16, 2))}, global_batch_size=8, num_epochs=None)
+    state = dt.TrainState.create(params=jnp.zeros(2), tx=optax.sgd(0.1))
+    with pytest.raises(ValueError, match="not writable"):
+        dt.Trainer(dt.MirroredStrategy(), train_step, callbacks=[backup]).fit(state, data, steps=4)
+    assert not steps  # nothing was traced or run
