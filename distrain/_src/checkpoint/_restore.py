@@ -34,16 +34,25 @@ def _default_sharding() -> jax.sharding.Sharding:
     return jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
 
 
+def stored_sharding(x: Any) -> jax.sharding.Sharding | None:
+    """Where the stored form of target leaf ``x`` goes (None: a host value).
+
+    A typed key's stored form is its key data: the key's shape plus trailing key dims,
+    which the key's sharding places too (its spec names the key's own dims; the trailing
+    ones stay whole)."""
+    if not isinstance(x, jax.Array | jax.ShapeDtypeStruct):
+        return None
+    if isinstance(x, jax.Array) and _layout.is_prng_key(x):
+        return jax.random.key_data(x).sharding
+    return getattr(x, "sharding", None) or _default_sharding()
+
+
 def _abstract_leaf(x: Any, info: LeafInfo) -> tuple[Any, bool]:
     """What orbax restores this leaf into, and whether it is read in the saved dtype."""
     saved = np.dtype(info.dtype)
-    if isinstance(x, jax.Array | jax.ShapeDtypeStruct):
-        sharding = getattr(x, "sharding", None) or _default_sharding()
+    sharding = stored_sharding(x)
+    if sharding is not None:
         if _layout.is_prng_key(x):
-            # Key data has the key's shape plus trailing key dims: the same sharding
-            # places it (its spec names the key's own dims; the trailing ones stay whole).
-            if isinstance(x, jax.Array):
-                sharding = jax.random.key_data(x).sharding
             return jax.ShapeDtypeStruct(info.shape, saved, sharding=sharding), True
         if _representable(saved):
             return jax.ShapeDtypeStruct(info.shape, saved, sharding=sharding), True

@@ -46,6 +46,7 @@ from jax.sharding import PartitionSpec as P
 from distrain._src.checkpoint import _layout, _restore
 from distrain._src.checkpoint._layout import LeafInfo
 from distrain._src.pytree import PyTree
+from distrain._src.validate import positive_int
 
 FORMAT = "distrain.local/1"
 _SLOTS = 8  # steps each process reports at restore (keep is at most this)
@@ -121,9 +122,9 @@ def _pack(
 
 def _to_blob(manifest: dict, chunks: list[np.ndarray]) -> np.ndarray:
     head = json.dumps(manifest).encode()
-    parts = [np.frombuffer(len(head).to_bytes(8, "little") + head, np.uint8)]
-    parts += chunks
-    return np.concatenate(parts) if parts else np.zeros(0, np.uint8)
+    return np.concatenate(
+        [np.frombuffer(len(head).to_bytes(8, "little") + head, np.uint8), *chunks]
+    )
 
 
 def _from_blob(blob: np.ndarray) -> tuple[dict, memoryview]:
@@ -191,14 +192,6 @@ def _verify(manifest: dict, arrays: memoryview) -> None:
 
 
 # ---------------------------------------------------------------- placement
-def _placement(x: Any, saved_shape: Sequence[int]) -> jax.sharding.Sharding | None:
-    if not isinstance(x, jax.Array | jax.ShapeDtypeStruct):
-        return None
-    if isinstance(x, jax.Array) and _layout.is_prng_key(x):
-        return jax.random.key_data(x).sharding
-    return getattr(x, "sharding", None) or _restore._default_sharding()
-
-
 def layout_difference(manifest: dict, target: PyTree) -> str | None:
     """Why ``manifest`` cannot be placed onto ``target`` as saved (None: it can)."""
     if manifest["process_count"] != jax.process_count():
@@ -214,7 +207,7 @@ def layout_difference(manifest: dict, target: PyTree) -> str | None:
         if tuple(target_shape) != shape or jnp.dtype(dtype) != jnp.dtype(leaf["dtype"]):
             was, now = f"{leaf['dtype']}{list(shape)}", f"{dtype}{list(target_shape)}"
             return f"leaf {path!r} is {was} saved, {now} now"
-        sharding = _placement(x, shape)
+        sharding = _restore.stored_sharding(x)
         if sharding is None:
             if leaf["shards"][0]["devices"] is not None:
                 return f"leaf {path!r} was a device array, the target holds a host value"
@@ -240,26 +233,27 @@ def _unpack(copy: _Copy, target: PyTree) -> PyTree:
     for kp, x in flat:
         leaf = saved[_layout.path_str(kp)]
         shape, dtype = tuple(leaf["shape"]), jnp.dtype(leaf["dtype"])
-
-        def read(shard: dict[str, Any], shape: tuple[int, ...], dtype: Any = dtype) -> np.ndarray:
-            raw = copy.arrays[shard["offset"] : shard["offset"] + shard["nbytes"]]
-            return np.frombuffer(raw, dtype).reshape(shape)
-
-        sharding = _placement(x, shape)
+        sharding = _restore.stored_sharding(x)
         value: Any
         if sharding is None:
-            value = read(leaf["shards"][0], shape).copy()
+            value = _chunk(copy, leaf["shards"][0], dtype, shape).copy()
         else:
             by_index = {json.dumps(s["index"]): s for s in leaf["shards"] if s["index"] is not None}
             buffers = []
             for device, idx in sharding.addressable_devices_indices_map(shape).items():
                 index = _index(idx, shape)
-                part = read(by_index[json.dumps(index)], tuple(b - a for a, b in index))
+                part = _chunk(copy, by_index[json.dumps(index)], dtype, [b - a for a, b in index])
                 buffers.append(jax.device_put(part, device))
             value = jax.make_array_from_single_device_arrays(shape, sharding, buffers)
         info = LeafInfo(_layout.path_str(kp), shape, dtype.name, leaf["key_impl"], None)
         out.append(_restore._finish_leaf(value, x, info))
     return jax.tree.unflatten(treedef, out)
+
+
+def _chunk(copy: _Copy, shard: dict[str, Any], dtype: Any, shape: Sequence[int]) -> np.ndarray:
+    """One stored shard of ``copy`` as an array (a view of its bytes)."""
+    raw = copy.arrays[shard["offset"] : shard["offset"] + shard["nbytes"]]
+    return np.frombuffer(raw, dtype).reshape(shape)
 
 
 # ---------------------------------------------------------------- exchange
@@ -278,11 +272,8 @@ def exchange(blob: np.ndarray, pairs: Sequence[tuple[int, int]]) -> np.ndarray |
 
     Returns the bytes this process received, or None if it is no destination.
     """
-    from jax.experimental import multihost_utils
-
     n, me = jax.process_count(), jax.process_index()
-    lengths = np.asarray(multihost_utils.process_allgather(np.asarray([blob.size], np.int64)))
-    lengths = lengths.reshape(-1)
+    lengths = _gather([blob.size])[:, 0]
     # Rounded up to whole MiB: metadata that grows a little (the history) reuses the
     # compiled shift, without the up-to-2x padding of a power of two.
     size = max(1, -(-int(lengths.max()) // _MIB)) * _MIB
@@ -311,11 +302,8 @@ def exchange(blob: np.ndarray, pairs: Sequence[tuple[int, int]]) -> np.ndarray |
 
 def peer_shift() -> int:
     """The ring offset to a process on another host (1 when all share one host)."""
-    from jax.experimental import multihost_utils
-
     n = jax.process_count()
-    host = zlib.crc32(socket.gethostname().encode()) & 0x7FFFFFFF
-    hosts = np.asarray(multihost_utils.process_allgather(np.asarray([host], np.int64))).reshape(-1)
+    hosts = _gather([zlib.crc32(socket.gethostname().encode())])[:, 0]
     for k in range(1, n):
         if all(hosts[(p + k) % n] != hosts[p] for p in range(n)):
             return k
@@ -509,15 +497,38 @@ def _gather(row: list[int]) -> np.ndarray:
     return np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
 
 
-def check_directories(local: str | os.PathLike[str], persistent: epath.Path) -> epath.Path:
-    """The local directory, absolute; refuses one inside (or around) the persistent one."""
+def check_arguments(
+    persistent: str | os.PathLike[str],
+    local: str | os.PathLike[str] | None,
+    interval: int | None,
+    interval_name: str = "local_save_interval_steps",
+) -> tuple[epath.Path, int] | None:
+    """The local tier's directory (absolute) and interval, None without a tier.
+
+    Raises:
+      ValueError: an interval without a directory or the reverse, an interval below 1,
+        or a local directory inside (or around) the persistent one.
+    """
+    if local is None:
+        if interval is not None:
+            raise ValueError(
+                f"{interval_name} was given without local_directory: pass local_directory= "
+                "(node-local storage such as /dev/shm/<run>) or drop it."
+            )
+        return None
+    if interval is None:
+        raise ValueError(
+            f"local_directory={os.fspath(local)!r} needs {interval_name}= (the steps "
+            "between local saves, e.g. a tenth of the persistent interval)."
+        )
+    interval = positive_int(interval_name, interval)
     path = epath.Path(os.path.abspath(os.fspath(local)))
-    a, b = os.path.realpath(path), os.path.realpath(persistent)
+    a, b = os.path.realpath(path), os.path.realpath(os.path.abspath(os.fspath(persistent)))
     if a == b or a.startswith(b + os.sep) or b.startswith(a + os.sep):
         raise ValueError(
             f"Expected a local_directory apart from the persistent checkpoint directory "
-            f"{persistent}; received {path}, which "
+            f"{b}; received {path}, which "
             + ("is inside it" if a.startswith(b + os.sep) else "is the same or contains it")
             + ". Use node-local storage such as /dev/shm/<run> or a local disk."
         )
-    return path
+    return path, interval

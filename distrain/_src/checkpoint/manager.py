@@ -47,9 +47,8 @@ from orbax.checkpoint import checkpoint_managers as ocp_policies
 from distrain._src import verbosity
 from distrain._src.checkpoint import _directory, _errors, _fingerprint, _layout, _restore
 from distrain._src.checkpoint import _orbax_internals as _internals
+from distrain._src.checkpoint import local as local_tier
 from distrain._src.checkpoint._layout import CheckpointCorruptionError, LeafInfo
-from distrain._src.checkpoint.local import LocalTier
-from distrain._src.checkpoint.local import check_directories as check_local_directory
 from distrain._src.pytree import PyTree
 from distrain._src.validate import optional_positive_int, positive_int
 
@@ -215,8 +214,7 @@ class CheckpointManager:
           ValueError: if ``step`` is not a non-negative int.
         """
         self._check_open("save")
-        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
-            raise ValueError(f"Expected `step` to be a non-negative int; received {step!r}.")
+        _check_step(step)
         step = int(step)
         latest = self._mgr.latest_step()
         if latest is not None and step <= latest:
@@ -299,8 +297,7 @@ class CheckpointManager:
                 "CheckpointManager.save_local() needs a local tier: pass local_directory= "
                 "and local_save_interval_steps= when creating the manager."
             )
-        if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
-            raise ValueError(f"Expected `step` to be a non-negative int; received {step!r}.")
+        _check_step(step)
         latest = self._mgr.latest_step()
         if latest is not None and step <= latest:
             return False
@@ -576,29 +573,9 @@ class CheckpointManager:
         )
 
 
-def check_local_tier(
-    directory: str | os.PathLike[str],
-    local_directory: str | os.PathLike[str] | None,
-    interval: int | None,
-    interval_name: str = "local_save_interval_steps",
-) -> tuple[epath.Path, int] | None:
-    """The local tier's directory and interval (None: no tier), or a ValueError saying
-    what is wrong with the arguments."""
-    if local_directory is None:
-        if interval is not None:
-            raise ValueError(
-                f"{interval_name} was given without local_directory: pass local_directory= "
-                "(node-local storage such as /dev/shm/<run>) or drop it."
-            )
-        return None
-    if interval is None:
-        raise ValueError(
-            f"local_directory={os.fspath(local_directory)!r} needs {interval_name}= (the "
-            "steps between local saves, e.g. a tenth of the persistent interval)."
-        )
-    interval = positive_int(interval_name, interval)
-    persistent = epath.Path(os.path.abspath(os.fspath(directory)))
-    return check_local_directory(local_directory, persistent), interval
+def _check_step(step: Any) -> None:
+    if isinstance(step, bool) or not isinstance(step, int | np.integer) or step < 0:
+        raise ValueError(f"Expected `step` to be a non-negative int; received {step!r}.")
 
 
 def _local_tier(
@@ -606,12 +583,12 @@ def _local_tier(
     local_directory: str | os.PathLike[str] | None,
     interval: int | None,
     keep: int,
-) -> LocalTier | None:
+) -> local_tier.LocalTier | None:
     """The local tier the arguments ask for (None: none), its directory checked."""
-    checked = check_local_tier(directory, local_directory, interval)
+    checked = local_tier.check_arguments(directory, local_directory, interval)
     if checked is None:
         return None
-    tier = LocalTier(*checked, positive_int("local_max_to_keep", keep))
+    tier = local_tier.LocalTier(*checked, positive_int("local_max_to_keep", keep))
     _directory.check_writable(tier.own)
     return tier
 

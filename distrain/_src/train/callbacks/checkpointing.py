@@ -328,9 +328,9 @@ class BackupAndRestore(_Saver):
     ) -> None:
         super().__init__(backup_dir, save_freq, max_to_keep, async_save)
         if local_directory is not None or local_save_freq is not None:
-            from distrain._src.checkpoint.manager import check_local_tier
+            from distrain._src.checkpoint.local import check_arguments
 
-            check_local_tier(self.directory, local_directory, local_save_freq, "local_save_freq")
+            check_arguments(self.directory, local_directory, local_save_freq, "local_save_freq")
             self._local = {
                 "local_directory": local_directory,
                 "local_save_interval_steps": local_save_freq,
