@@ -36,6 +36,7 @@ from distrain._src.data.placement import shard_global_batch
 from distrain._src.strategy import _checks, replica_mesh, sharded
 from distrain._src.strategy import _cross_replica as xr
 from distrain._src.strategy import layout as _layout
+from distrain._src.strategy import rules as _rules
 from distrain._src.strategy._checks import check_placeable
 from distrain._src.strategy._compiler import ReplicaCompiler
 from distrain._src.strategy.replica_layout import REPLICA_AXIS, ReplicaLayout, is_abstract
@@ -71,9 +72,9 @@ class Strategy(abc.ABC):
         *,
         max_in_flight: int = 2,
         devices_per_replica: replica_mesh.DevicesPerReplica = 1,
-        layout: _layout.LayoutRules | None = None,
-        logical_axis_rules: _layout.LogicalAxisRules | None = None,
-        batch_layout: _layout.LayoutRules | None = None,
+        layout: _rules.LayoutRules | None = None,
+        logical_axis_rules: _rules.LogicalAxisRules | None = None,
+        batch_layout: _rules.LayoutRules | None = None,
         min_shard_bytes: int = sharded.DEFAULT_MIN_SHARD_BYTES,
         shard_state: bool | str = False,
         replica_groups: tuple[str, int] | None = None,

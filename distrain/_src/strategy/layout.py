@@ -45,10 +45,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from distrain._src.pytree import path_str as path_str
-from distrain._src.strategy.rules import LayoutRules as LayoutRules
-from distrain._src.strategy.rules import LogicalAxisRules as LogicalAxisRules
-from distrain._src.strategy.rules import Names, Rule, check_fits, flat, parse
-from distrain._src.strategy.rules import OrderedAxisRules as OrderedAxisRules
+from distrain._src.strategy.rules import LayoutRules, Names, Rule, check_fits, flat, parse
 
 FSDP_AXIS = "fsdp"
 
@@ -62,10 +59,9 @@ class Layout:
       fsdp_axis: the axis leaves without a rule are split over.
       rules: regex rules (``{pattern: spec}`` or pairs), or a pytree of specs.
       min_shard_bytes: FSDP leaves below this size stay whole.
-      axes: the axes specs may name (default: ``(fsdp_axis,)``).
-      logical_axis_rules: ``{logical name: mesh axis, tuple of axes, or None}``.
-      names: the strategy's :class:`~distrain._src.strategy.rules.Names`, shared with
-        its batch layout (instead of ``axes`` and ``logical_axis_rules``).
+      names: the axes and logical names specs may use, the strategy's
+        :class:`~distrain._src.strategy.rules.Names` shared with its batch layout
+        (default: the FSDP axis alone).
 
     Raises:
       ValueError: a pattern that is not a regular expression, a spec naming an axis the
@@ -79,17 +75,13 @@ class Layout:
         rules: LayoutRules | None,
         min_shard_bytes: int,
         *,
-        axes: Sequence[str] | None = None,
-        logical_axis_rules: LogicalAxisRules | None = None,
         names: Names | None = None,
     ) -> None:
         self.k = mesh.shape[fsdp_axis]
         self.axis = fsdp_axis
         self.min_shard_bytes = min_shard_bytes
         self._mesh = mesh
-        if names is None:
-            names = Names(tuple(axes) if axes is not None else (fsdp_axis,), logical_axis_rules)
-        self._names = names
+        self._names = names = names if names is not None else Names((fsdp_axis,), None)
         self._rules = [
             Rule(name, names.translate("Layout", name, spec), regex=regex)
             for name, spec, regex in parse(rules, "`layout`")

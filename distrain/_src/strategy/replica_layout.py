@@ -36,8 +36,8 @@ from distrain._src.data.batches import batch_size
 from distrain._src.data.options import per_replica_size
 from distrain._src.strategy import layout as _layout
 from distrain._src.strategy import replica_mesh, sharded
+from distrain._src.strategy import rules as _rules
 from distrain._src.strategy.batch_layout import BatchLayout
-from distrain._src.strategy.rules import Names
 
 REPLICA_AXIS = "replica"
 
@@ -90,9 +90,9 @@ class ReplicaLayout:
         devices: Sequence[jax.Device],
         *,
         devices_per_replica: replica_mesh.DevicesPerReplica = 1,
-        layout: _layout.LayoutRules | None = None,
-        logical_axis_rules: _layout.LogicalAxisRules | None = None,
-        batch_layout: _layout.LayoutRules | None = None,
+        layout: _rules.LayoutRules | None = None,
+        logical_axis_rules: _rules.LogicalAxisRules | None = None,
+        batch_layout: _rules.LayoutRules | None = None,
         min_shard_bytes: int = sharded.DEFAULT_MIN_SHARD_BYTES,
         shard_state: bool | Literal["process"] = False,
         replica_groups: tuple[str, int] | None = None,
@@ -144,7 +144,7 @@ class ReplicaLayout:
         self._rules: _layout.Layout | None = None
         # One table of names for the state's and the batches' specs: a logical name
         # either uses counts as used.
-        names = Names(tuple(inner), logical_axis_rules) if inner else None
+        names = _rules.Names(tuple(inner), logical_axis_rules) if inner else None
         if inner:
             fsdp = _layout.FSDP_AXIS if _layout.FSDP_AXIS in inner else next(iter(inner))
             self._rules = _layout.Layout(self._mesh, fsdp, layout, min_shard_bytes, names=names)
