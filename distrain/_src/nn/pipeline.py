@@ -182,11 +182,13 @@ def _schedule(
     microbatches = xs.shape[0]
     kept = microbatches // stages if split else microbatches
 
-    def deliver(outs: jax.Array, flying: jax.Array, tag: jax.Array) -> tuple[jax.Array, Any]:
-        """Keeps the flying output if it is this stage's; returns the slot's new tag."""
+    def hop(outs: jax.Array, flying: jax.Array, tag: jax.Array) -> Any:
+        """Keeps the flying output if it is this stage's, then passes the slot on."""
         here = (tag >= 0) & (tag // kept == s)
         i = jnp.clip(tag - s * kept, 0, kept - 1)
-        return outs.at[i].set(jnp.where(here, flying, outs[i])), jnp.where(here, -1, tag)
+        outs = outs.at[i].set(jnp.where(here, flying, outs[i]))
+        flying, tag = jax.lax.ppermute((flying, jnp.where(here, -1, tag)), axis, ring)
+        return outs, flying, tag
 
     def tick(carry: Any, t: jax.Array) -> Any:
         incoming, outs, flying, tag = carry
@@ -202,13 +204,10 @@ def _schedule(
         if not split:
             outs = outs.at[m].set(jnp.where(done, y, outs[m]))
             return (jax.lax.ppermute(y, axis, ring), outs, flying, tag), None
-        # What arrived is delivered first; then a finished microbatch takes the slot (an
-        # output never comes back to the last stage undelivered, so the slot is free).
-        outs, tag = deliver(outs, flying, tag)
+        # A finished microbatch takes the slot: what reaches the last stage was delivered
+        # on its way (no output travels past its stage), so the slot is free there.
         flying, tag = jnp.where(done, y, flying), jnp.where(done, m, tag)
-        outs, tag = deliver(outs, flying, tag)
-        flying, tag = jax.lax.ppermute((flying, tag), axis, ring)
-        return (jax.lax.ppermute(y, axis, ring), outs, flying, tag), None
+        return (jax.lax.ppermute(y, axis, ring), *hop(outs, flying, tag)), None
 
     ticks = jnp.arange(microbatches * repeats + stages - 1)
     slot = jnp.zeros_like(xs[0]) if split else jnp.zeros((), xs.dtype)
@@ -218,14 +217,10 @@ def _schedule(
         # Only the last stage wrote outputs; every stage returns them (the replica's result).
         return jax.lax.psum(jnp.where(s == stages - 1, outs, jnp.zeros_like(outs)), axis)
 
-    def drain(carry: Any, _: Any) -> Any:  # the last outputs still on their way
-        outs, flying, tag = carry
-        outs, tag = deliver(outs, flying, tag)
-        flying, tag = jax.lax.ppermute((flying, tag), axis, ring)
-        return (outs, flying, tag), None
-
-    (outs, flying, tag), _ = jax.lax.scan(drain, (outs, flying, tag), None, length=stages - 1)
-    outs, _ = deliver(outs, flying, tag)
+    # The last outputs still on their way: at most S - 1 more hops.
+    (outs, _, _), _ = jax.lax.scan(
+        lambda c, _: (hop(*c), None), (outs, flying, tag), None, length=stages - 1
+    )
     return outs
 
 
