@@ -325,13 +325,16 @@ def test_asynchronous_training_converges_and_loses_nothing(make, digits, devices
         make, num_workers=4, num_ps=2, variable_partitioner=FixedShardsPartitioner(2)
     )
     iterator = iter(coordinator.create_per_worker_dataset(per_worker_epochs(digits[0], B)))
-    values = [coordinator.schedule(step, args=(iterator,)) for _ in range(600)]
+    # 800 steps: asynchronous updates arrive in an order the machine's load decides, and
+    # 600 reached 0.947 once on a loaded 2-core machine (0.95+ when quiet).
+    steps = 800
+    values = [coordinator.schedule(step, args=(iterator,)) for _ in range(steps)]
     coordinator.join()
     assert coordinator.done()
     assert accuracy(variables.read(), digits[1]) >= 0.95
     assert values[-1].fetch()["loss"] < values[0].fetch()["loss"]
     for stats in strategy.stats():
-        assert stats["pushed"] == stats["applied"] == stats["version"] == 600
+        assert stats["pushed"] == stats["applied"] == stats["version"] == steps
         assert stats["duplicates"] == stats["abandoned"] == stats["pending"] == 0
         # Each worker waits for its own update, so the mean (not the largest) is
         # at most num_workers - 1 (docs/parameter_server.md, Staleness).
