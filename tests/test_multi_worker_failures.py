@@ -159,6 +159,7 @@ def test_a_process_failing_its_own_checks_stops_every_process():
     bad = env_for(port, 2, 1, timeout_s=20)
     bad["DISTRAIN_COLLECTIVES"] = "nccl"
     del bad["JAX_PLATFORMS"]
+    bad["CUDA_VISIBLE_DEVICES"] = ""  # CPU-only on a GPU machine too (NCCL would be valid)
     jobs = [
         ([sys.executable, PROBE], env_for(port, 2, 0, timeout_s=20)),
         ([sys.executable, PROBE], bad),
