@@ -146,7 +146,7 @@ def test_out_of_restarts_returns_the_last_status_and_signals_as_128_plus(capfd):
         (["--nproc", "2", "--max-restarts", "-1", "--", "x"], r"expected an integer >= 0"),
         (["--nproc", "2", "--timeout", "0", "--", "x"], r"--timeout: expected seconds > 0"),
         (["--nproc", "2", "--port", "70000", "--", "x"], r"expected a port in 0..65535"),
-        (["--", "x"], r"the following arguments are required: --nproc"),
+        (["--", "x"], r"one of the arguments --nproc --islands is required"),
     ],
 )
 def test_bad_arguments(capsys, argv, match):

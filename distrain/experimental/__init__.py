@@ -1,5 +1,5 @@
-"""Experimental strategies (``dt.experimental``): central storage, parameter servers and
-DiLoCo's islands.
+"""Experimental strategies (``dt.experimental``): central storage, parameter servers,
+DiLoCo's islands, and fault-isolated islands (``dt.experimental.islands``).
 
 ``MultiWorkerMirroredStrategy`` is ``dt.MultiWorkerMirroredStrategy`` (TensorFlow 2.x
 also spells it ``tf.distribute.experimental.MultiWorkerMirroredStrategy``; distrain
@@ -18,11 +18,13 @@ from distrain._src.strategy.central_storage import CentralStorageStrategy as Cen
 _LAZY = {
     "ParameterServerStrategy": "distrain._src.ps.strategy:ParameterServerStrategy",
     "coordinator": "distrain.experimental.coordinator",
+    "islands": "distrain.experimental.islands",
     "partitioners": "distrain.experimental.partitioners",
 }
 if TYPE_CHECKING:
     from distrain._src.ps.strategy import ParameterServerStrategy as ParameterServerStrategy
     from distrain.experimental import coordinator as coordinator
+    from distrain.experimental import islands as islands
     from distrain.experimental import partitioners as partitioners
 else:
     __getattr__, __dir__ = _lazy.exports(globals(), _LAZY)
@@ -33,5 +35,6 @@ __all__ = [
     "DiLoCoStrategy",
     "ParameterServerStrategy",
     "coordinator",
+    "islands",
     "partitioners",
 ]

@@ -137,14 +137,40 @@ network:
   Process 0's coordinator service listens on 127.0.0.1 only; nothing is
   authenticated (docs/security.md).
 
+islands (--islands N):
+  Each island is its own group of --nproc-per-island processes with its own
+  jax.distributed job, restarted alone after a failure. The launcher starts a
+  local Ray cluster on 127.0.0.1 (token authentication) for the islands'
+  coordinator and stops it at the end; the islands see RAY_ADDRESS,
+  DISTRAIN_ISLAND and DISTRAIN_ISLANDS. Exit status: 0 when every island
+  finished, else the first failing island's.
+
 example:
   distrain launch --nproc 2 --devices-per-proc 2 --max-restarts 3 -- python train.py
+  distrain launch --islands 4 --max-restarts 5 -- python train_islands.py
 """
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Adds the `distrain launch` options to `parser` (for the `distrain` CLI)."""
-    parser.add_argument("--nproc", type=_positive_int, required=True, help="processes to start")
+    size = parser.add_mutually_exclusive_group(required=True)
+    size.add_argument("--nproc", type=_positive_int, help="processes to start")
+    size.add_argument(
+        "--islands",
+        type=_positive_int,
+        metavar="N",
+        help="start N fault-isolated islands of --nproc-per-island processes each, and a "
+        "local Ray cluster for their coordinator (dt.experimental.islands; needs Ray): a "
+        "failed island restarts alone (up to --max-restarts times each) while the others "
+        "go on",
+    )
+    parser.add_argument(
+        "--nproc-per-island",
+        type=_positive_int,
+        default=1,
+        metavar="P",
+        help="with --islands: processes per island (default 1)",
+    )
     parser.add_argument(
         "--devices-per-proc",
         type=_positive_int,
@@ -406,16 +432,26 @@ def _check_program(program: str) -> str:
 
 
 class _Launcher:
-    def __init__(self, args: argparse.Namespace, command: list[str]):
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        command: list[str],
+        *,
+        name: str = "",
+        env: dict[str, str] | None = None,
+        lock: threading.Lock | None = None,
+    ):
         self.args = args
         self.command = command
+        self.name = name  # "island 2 ": a prefix for its logs and its processes' lines
+        self.env = env or {}
         self.procs: list[subprocess.Popen] = []  # the latest attempt's
         self.out = getattr(sys.stdout, "buffer", None) or sys.stdout
-        self.lock = threading.Lock()
+        self.lock = lock or threading.Lock()
 
     def log(self, message: str) -> None:
         with self.lock:
-            sys.stderr.write(f"[launch] {message}\n")
+            sys.stderr.write(f"[launch] {self.name}{message}\n")
             sys.stderr.flush()
 
     def attempt(self, attempt: int, limit: int) -> tuple[int, bool]:
@@ -439,7 +475,7 @@ class _Launcher:
                 try:
                     proc = subprocess.Popen(
                         self.command,
-                        env=_child_env(self.args, i, port, attempt),
+                        env={**_child_env(self.args, i, port, attempt), **self.env},
                         stdin=subprocess.DEVNULL,
                         stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT,
@@ -454,7 +490,7 @@ class _Launcher:
                 procs.append(proc)
                 pump = threading.Thread(
                     target=_pump,
-                    args=(proc.stdout, f"[{i}] ".encode(), self.out, self.lock),
+                    args=(proc.stdout, f"[{self.name}{i}] ".encode(), self.out, self.lock),
                     daemon=True,
                 )
                 pump.start()
@@ -598,6 +634,25 @@ def run(args: argparse.Namespace) -> int:
             "on GPU machines, --devices-per-proc on CPUs.\n"
         )
         return 2
+    if args.islands is None and args.nproc_per_island != 1:
+        sys.stderr.write(
+            "distrain launch: error: --nproc-per-island goes with --islands N; received it "
+            "with --nproc. Use --nproc P for one job of P processes.\n"
+        )
+        return 2
+    if args.islands is not None and args.gpus_per_proc is not None:
+        sys.stderr.write(
+            "distrain launch: error: --islands does not split GPUs between islands yet; "
+            "received --gpus-per-proc. Start one `distrain launch --islands` per GPU set "
+            "with CUDA_VISIBLE_DEVICES, or use --devices-per-proc on CPUs.\n"
+        )
+        return 2
+    if args.islands is not None and args.port:
+        sys.stderr.write(
+            "distrain launch: error: --port names one coordinator port; each island has its "
+            "own (free ports are chosen). Remove --port with --islands.\n"
+        )
+        return 2
     if args.gpus_per_proc is not None:
         try:
             _visible_gpus(os.environ, args.nproc * args.gpus_per_proc)
@@ -609,6 +664,17 @@ def run(args: argparse.Namespace) -> int:
     except _CannotStart as e:
         sys.stderr.write(f"distrain launch: error: {e}\n")
         return e.status
+    if args.islands is not None:
+        from distrain._src.islands.launch import run_islands
+
+        try:
+            return run_islands(args, [program, *command[1:]], _Launcher)
+        except FileNotFoundError as e:
+            sys.stderr.write(f"distrain launch: error: {e}\n")
+            return 2
+        except (KeyboardInterrupt, _Terminated):
+            sys.stderr.write("[launch] interrupted; all islands stopped\n")
+            return 130
     launcher = _Launcher(args, [program, *command[1:]])
     if program != command[0]:
         launcher.log(

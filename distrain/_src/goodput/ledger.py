@@ -2,7 +2,8 @@
 
 A :class:`Ledger` charges the wall time of its process to one bucket at a time: the
 innermost open :meth:`Ledger.phase` (``"step"``, ``"input"``, ``"checkpoint"``,
-``"evaluation"``), else ``"startup"`` until the first step and ``"other"`` after it.
+``"evaluation"``, ``"sync"``: an island's outer exchange and its wait at the round
+barrier), else ``"startup"`` until the first step and ``"other"`` after it.
 Compilation is read from ``jax.monitoring``'s compile spans and moved out of the phase
 it happened in. The cumulative totals are appended to ``WORKDIR/goodput.jsonl`` as
 JSON lines (one process writes: the chief), at least every ``interval`` seconds while
@@ -32,7 +33,7 @@ from typing import Any
 
 FILENAME = "goodput.jsonl"
 #: The buckets a process's time goes to (the report adds "lost" and "downtime").
-PHASES = ("step", "input", "checkpoint", "evaluation")
+PHASES = ("step", "input", "checkpoint", "evaluation", "sync")
 BUCKETS = ("startup", "compile", *PHASES, "other")
 VERSION = 1
 

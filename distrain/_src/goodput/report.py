@@ -32,11 +32,12 @@ REPORT_BUCKETS = (
     "input",
     "checkpoint",
     "evaluation",
+    "sync",
     "other",
     "lost",
     "downtime",
 )
-_REDONE = ("step", "input", "checkpoint", "evaluation", "other")  # what a failure loses
+_REDONE = ("step", "input", "checkpoint", "evaluation", "sync", "other")  # what a failure loses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -218,7 +219,7 @@ def report(workdir: str | os.PathLike[str]) -> Report:
     failures, lost_steps = 0, []
     for i, a in enumerate(attempts):
         buckets["productive"] += a.buckets["step"]
-        for k in ("startup", "compile", "input", "checkpoint", "evaluation", "other"):
+        for k in ("startup", "compile", "input", "checkpoint", "evaluation", "sync", "other"):
             buckets[k] += a.buckets[k]
         nxt = attempts[i + 1] if i + 1 < len(attempts) else None
         if nxt is None:

@@ -16,6 +16,7 @@ COLORS = {
     "input": "#1f77b4",
     "checkpoint": "#ff7f0e",
     "evaluation": "#17becf",
+    "sync": "#bcbd22",
     "other": "#c7c7c7",
 }
 

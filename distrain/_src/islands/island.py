@@ -1,0 +1,354 @@
+"""One fault-isolated island: its training loop against the run's `IslandCoordinator`.
+
+Every island runs :func:`train` in its own JAX world (one process, or several with
+their own ``jax.distributed``), usually started by ``distrain launch --islands N``. Per
+round it pulls the global parameters, leases rows, runs ``sync_every`` inner steps of
+the user's per-replica ``train_step`` with any synchronous strategy, and submits its
+pseudo-gradient (global minus its own parameters). A heartbeat thread keeps it alive in
+the coordinator's eyes. If the island is declared dead, or the coordinator restarts, it
+joins again from the global state; a restarted island process does the same.
+
+The inner optimizer state across rounds: kept while the island lives (DiLoCo); reset
+to the initial state's (and the step to ``round * sync_every``) when the island joins
+or rejoins (a new process has nothing else, and copying a peer's would tie the islands
+together again).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from distrain._src.goodput import ledger as goodput
+from distrain._src.islands import remote
+from distrain._src.islands.coordinator import IslandsConfig, RejoinRequired, structure_of
+
+Take = Callable[[np.ndarray], Any]
+
+
+@dataclasses.dataclass(frozen=True)
+class IslandsResult:
+    """What :func:`train` returns on every island.
+
+    Attributes:
+      params: the final global parameters (NumPy leaves in the state's structure).
+      island: this island's id.
+      rounds: the rounds this process trained and submitted.
+      history: one dict per such round: ``round``, ``rows``, ``loss`` (the mean of the
+        step metrics' ``"loss"``, if any), ``compute_s`` and ``wait_s``.
+    """
+
+    params: Any
+    island: int
+    rounds: int
+    history: list[dict[str, Any]]
+
+
+def random_access(data: Any) -> tuple[int, Take]:
+    """``(rows, take)`` for a dataset the coordinator can hand out row by row.
+
+    Accepted: a dict, tuple or list of arrays with a common leading axis, one array, an
+    ``ArrayPipeline``, or a random-access source (``__len__`` and ``__getitem__``, e.g.
+    grain's ``RandomAccessDataSource``; its records are stacked).
+
+    Raises:
+      TypeError: anything else (an iterator, a generator, a ``tf.data`` or grain
+        ``IterDataset``): the coordinator could not give a dead island's rows to another.
+    """
+    from distrain._src.data.pipeline import ArrayPipeline
+
+    if isinstance(data, ArrayPipeline):
+        return data.num_examples, data.take
+    if isinstance(data, np.ndarray | jax.Array):
+        arr = np.asarray(data)
+        return len(arr), lambda idx: arr[idx]
+    if isinstance(data, Mapping | tuple | list) and data:
+        leaves = jax.tree.leaves(data)
+        if leaves and all(hasattr(x, "shape") and np.ndim(x) >= 1 for x in leaves):
+            lengths = {int(np.shape(x)[0]) for x in leaves}
+            if len(lengths) != 1:
+                raise ValueError(
+                    f"the dataset's arrays have different lengths {sorted(lengths)}; expected "
+                    "one leading (row) axis shared by every array."
+                )
+            host = jax.tree.map(np.asarray, data)
+            return lengths.pop(), lambda idx: jax.tree.map(lambda x: x[idx], host)
+    if (
+        hasattr(data, "__len__")
+        and hasattr(data, "__getitem__")
+        and not hasattr(data, "__next__")
+        and not isinstance(data, str | bytes | Mapping | tuple | list)
+    ):
+
+        def take(idx: np.ndarray) -> Any:
+            records = [data[int(i)] for i in idx]
+            return jax.tree.map(lambda *xs: np.stack(xs), *records)
+
+        return len(data), take
+    raise TypeError(
+        "fault-isolated islands need a random-access dataset: the coordinator hands out "
+        "rows by index, and gives a dead island's rows to another. Expected a dict, tuple "
+        "or list of arrays, an array, a dt.data.ArrayPipeline, or a source with __len__ and "
+        f"__getitem__ (grain's RandomAccessDataSource). Received: {type(data).__name__}."
+    )
+
+
+def _ids(island: int | None, islands: int | None) -> tuple[int, int]:
+    def env(name: str) -> int | None:
+        value = os.environ.get(name)
+        return None if value is None else int(value)
+
+    island = env(remote.ENV_ISLAND) if island is None else island
+    islands = env(remote.ENV_ISLANDS) if islands is None else islands
+    if island is None or islands is None:
+        raise ValueError(
+            "islands.train needs this island's id and the number of islands: pass island= "
+            f"and islands=, or start it with `distrain launch --islands N` (which sets "
+            f"{remote.ENV_ISLAND} and {remote.ENV_ISLANDS}). Received: island={island}, "
+            f"islands={islands}."
+        )
+    if not 0 <= island < islands:
+        raise ValueError(f"island={island} is not one of islands={islands} (0..{islands - 1}).")
+    return island, islands
+
+
+class _Log:
+    """``DIR/island-I/timeline.jsonl``: start-up milestones and one line per round."""
+
+    def __init__(self, directory: str, write: bool) -> None:
+        self.path = os.path.join(directory, "timeline.jsonl") if write else None
+        if self.path:
+            os.makedirs(directory, exist_ok=True)
+
+    def __call__(self, event: str, **fields: Any) -> None:
+        if self.path:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
+
+
+def train(
+    train_step: Callable[..., Any],
+    state: Any,
+    data: Any,
+    *,
+    batch_size: int,
+    sync_every: int,
+    directory: str,
+    epochs: int = 1,
+    seed: int | None = 0,
+    outer_optimizer: Any = None,
+    strategy: Any = None,
+    island: int | None = None,
+    islands: int | None = None,
+    min_islands: int = 1,
+    death_timeout: float = 10.0,
+    heartbeat_interval: float = 1.0,
+    start_timeout: float = 120.0,
+    min_islands_timeout: float = 300.0,
+    call_timeout: float = 120.0,
+    ray_address: str | None = None,
+) -> IslandsResult:
+    """Trains this island until every row of ``epochs`` passes was committed.
+
+    Args:
+      train_step: the per-replica step, ``(state, batch) -> (state, metrics)``, as for
+        ``strategy.run``.
+      state: the initial train state (a ``dt.TrainState`` or any state with ``params``
+        and ``replace``); every island must build the same one.
+      data: a random-access dataset (see :func:`random_access`).
+      batch_size: rows of one inner step of this island (split over its replicas).
+      sync_every: H, inner steps per round.
+      directory: the run's directory: the coordinator's checkpoints and events, each
+        island's goodput ledger and timeline. A directory with a checkpoint resumes.
+      epochs, seed: the rows handed out: ``epochs`` passes, each in a permutation seeded
+        by ``seed`` (``None``: in order).
+      outer_optimizer: optax; default DiLoCo's Nesterov SGD (lr 0.7, momentum 0.9).
+      strategy: the synchronous strategy inside the island (default
+        ``dt.MirroredStrategy()`` over this process's devices).
+      island, islands: this island's id and the number of islands (default: from
+        ``distrain launch --islands``).
+      min_islands: rounds pause below this many live islands.
+      death_timeout, heartbeat_interval: an island without a heartbeat for
+        ``death_timeout`` s is dead; it sends one every ``heartbeat_interval`` s.
+      start_timeout: round 0 waits this long for every island to join.
+      min_islands_timeout: the run fails after this long below ``min_islands``.
+      call_timeout: seconds a call to the coordinator may take (its restart included).
+      ray_address: the Ray cluster (default ``RAY_ADDRESS``, set by the launcher).
+
+    Returns:
+      :class:`IslandsResult` (the final global parameters on every island).
+
+    Raises:
+      TypeError: a dataset without random access.
+      ValueError: a model other than the coordinator's; a bad configuration.
+      IslandsFailed: fewer than ``min_islands`` islands for ``min_islands_timeout`` s.
+
+    Example::
+
+        result = dt.experimental.islands.train(
+            train_step, state, {"x": x, "y": y}, batch_size=32, sync_every=10,
+            directory="runs/islands", epochs=2)
+    """
+    import optax
+
+    import distrain as dt
+
+    island, islands = _ids(island, islands)
+    num_rows, take = random_access(data)
+    config = IslandsConfig(
+        islands=islands,
+        sync_every=sync_every,
+        batch_size=batch_size,
+        num_rows=num_rows,
+        epochs=epochs,
+        seed=seed,
+        min_islands=min_islands,
+        death_timeout=death_timeout,
+        heartbeat_interval=heartbeat_interval,
+        start_timeout=start_timeout,
+        min_islands_timeout=min_islands_timeout,
+    )
+    strategy = strategy or dt.MirroredStrategy()
+    replicas = strategy.num_replicas_in_sync
+    tail = (num_rows * epochs) % batch_size
+    if batch_size % replicas or tail % replicas:
+        raise ValueError(
+            f"batch_size={batch_size} and the run's last, partial batch ({tail} rows: "
+            f"{num_rows} rows x {epochs} epochs mod {batch_size}) must both split over the "
+            f"island's {replicas} replicas. Choose a batch size (or epochs) for which they do."
+        )
+    outer_optimizer = outer_optimizer or optax.sgd(0.7, momentum=0.9, nesterov=True)
+    host_params = jax.device_get(state.params)
+    leaves, treedef = jax.tree.flatten(host_params)
+    leaves = [np.asarray(x) for x in leaves]
+    structure = structure_of(leaves, str(treedef))
+    chief = jax.process_index() == 0
+    own_dir = os.path.join(directory, f"island-{island}")
+    log = _Log(own_dir, chief)
+    ledger = goodput.Ledger(own_dir, write=chief)
+    goodput.set_current(ledger)
+    log("start", island=island, pid=os.getpid(), process_start=goodput.process_start_time())
+
+    remote.connect(ray_address, islands)
+    name = remote.actor_name(directory)
+    args = (config, leaves, str(treedef), outer_optimizer, directory)
+    coord = remote.Coordinator(remote.coordinator(name, args), call_timeout)
+    log("connected")
+
+    token: list[str] = []  # the live token, read by the heartbeat thread
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(heartbeat_interval):
+            if token:
+                try:
+                    coord("heartbeat", island, token[-1])
+                except Exception:  # a rejoin or a restart is handled by the loop
+                    pass
+
+    threading.Thread(target=beat, daemon=True, name=f"island-{island}-heartbeat").start()
+
+    def to_tree(flat: list[np.ndarray]) -> Any:
+        return jax.tree.unflatten(treedef, flat)
+
+    history: list[dict[str, Any]] = []
+    first_step = True
+    placed = None
+    after = -1
+    try:
+        while True:
+            try:
+                if not token:
+                    with ledger.phase("sync"):
+                        token.append(coord.retry(lambda: coord("join", island, structure)))
+                    log("joined")
+                    placed, after = None, -1
+                with ledger.phase("sync"):
+                    r, global_leaves, finished = coord.poll(
+                        "wait_round",
+                        island,
+                        token[-1],
+                        after,
+                        until=call_timeout + min_islands_timeout,
+                    )
+                if finished:
+                    break
+                if placed is None:  # a (re)join: the initial optimizer state
+                    fresh = state.replace(params=to_tree(global_leaves))
+                    if hasattr(fresh, "step"):
+                        fresh = fresh.replace(step=np.asarray(r * sync_every, np.int32))
+                    placed = strategy.put_replicated(fresh)
+                    if r > 0 or after >= 0:
+                        ledger.resumed(r * sync_every)
+                else:
+                    placed = placed.replace(params=strategy.put_replicated(to_tree(global_leaves)))
+                with ledger.phase("sync"):
+                    positions, _epochs, rows = coord.poll(
+                        "lease", island, token[-1], r, until=call_timeout + min_islands_timeout
+                    )
+                t0 = time.time()
+                losses = []
+                for k in range(0, len(rows), batch_size):
+                    with ledger.phase("input"):
+                        batch = strategy.distribute_batch(take(rows[k : k + batch_size]))
+                    with ledger.phase("step"):
+                        placed, metrics = strategy.run(train_step, args=(placed, batch))
+                        if first_step:
+                            jax.block_until_ready(placed)
+                            log("first_step", round=r)
+                            first_step = False
+                    if isinstance(metrics, Mapping) and "loss" in metrics:
+                        losses.append(strategy.reduce("mean", metrics["loss"]))
+                    ledger.progress(r * sync_every + k // batch_size + 1)
+                with ledger.phase("step"):
+                    local = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(placed.params))]
+                    loss = float(np.mean(jax.device_get(losses))) if losses else None
+                compute = time.time() - t0
+                grads = (
+                    [
+                        g.astype(np.float32) - x.astype(np.float32)
+                        for g, x in zip(global_leaves, local, strict=True)
+                    ]
+                    if len(rows)
+                    else None
+                )
+                t1 = time.time()
+                with ledger.phase("sync"):
+                    coord(
+                        "submit",
+                        island,
+                        token[-1],
+                        r,
+                        grads,
+                        {"loss": loss or 0.0, "compute_s": compute},
+                    )
+                history.append({"round": r, "rows": len(rows), "loss": loss, "compute_s": compute})
+                log(
+                    "round",
+                    round=r,
+                    rows=len(rows),
+                    loss=loss,
+                    compute_s=compute,
+                    submit_s=time.time() - t1,
+                    positions_first=int(positions[0]) if len(positions) else None,
+                )
+                after = r
+            except RejoinRequired as e:
+                log("rejoin", why=str(e))
+                token.clear()
+        final = to_tree(global_leaves)
+        stop.set()
+        coord("leave", island, token[-1])
+        ledger.finished()
+        log("finished", rounds=len(history))
+        return IslandsResult(params=final, island=island, rounds=len(history), history=history)
+    finally:
+        stop.set()

@@ -1,0 +1,162 @@
+"""`distrain launch --islands N`: N fault-isolated process groups and a local Ray cluster.
+
+Each island is a `distrain launch --nproc P` of its own (its own ``jax.distributed``
+coordinator port, its own restarts), run on a thread of the launcher; a failed island
+restarts alone while the others go on. The Ray head (``ray start --head --block``, on
+127.0.0.1, token authentication) runs in its own process group and is stopped with it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from typing import Any
+
+from distrain._src.islands.remote import ENV_ISLAND, ENV_ISLANDS
+
+RAY_START_TIMEOUT_S = 120.0
+
+
+def _ray_env() -> dict[str, str]:
+    # Loopback only (Ray would otherwise advertise the machine's public address), and
+    # token authentication: the head writes ~/.ray/auth_token, the islands read it.
+    return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
+
+
+def _ray_binary() -> str:
+    here = os.path.join(os.path.dirname(sys.executable), "ray")
+    found = here if os.path.exists(here) else shutil.which("ray")
+    if found is None:
+        raise FileNotFoundError(
+            "distrain launch --islands starts a local Ray cluster for the islands' "
+            "coordinator and needs Ray: `pip install 'distrain[ray]'`."
+        )
+    return found
+
+
+def start_ray(port: int, num_cpus: int) -> subprocess.Popen:
+    """Starts a Ray head on 127.0.0.1:``port``; returns once it accepts connections."""
+    proc = subprocess.Popen(
+        [
+            _ray_binary(),
+            "start",
+            "--head",
+            "--block",
+            f"--port={port}",
+            f"--num-cpus={num_cpus}",
+            "--include-dashboard=false",
+            "--disable-usage-stats",
+            "--node-ip-address=127.0.0.1",
+        ],
+        env={**os.environ, **_ray_env()},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
+    )
+    deadline = time.monotonic() + RAY_START_TIMEOUT_S
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
+            raise RuntimeError(f"the local Ray head exited with {proc.returncode}:\n{out[-2000:]}")
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1):
+                pass
+            break
+        except OSError:
+            time.sleep(0.2)
+    else:
+        stop_ray(proc)
+        raise RuntimeError(
+            f"the local Ray head did not listen on port {port} within {RAY_START_TIMEOUT_S:g} s."
+        )
+    # `ray start` prints that the runtime started once the raylet is up too.
+    threading.Thread(target=_drain, args=(proc,), daemon=True).start()
+    return proc
+
+
+def _drain(proc: subprocess.Popen) -> None:
+    if proc.stdout:
+        for _ in proc.stdout:
+            pass
+
+
+def stop_ray(proc: subprocess.Popen) -> None:
+    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except ProcessLookupError:
+            return
+        try:
+            proc.wait(timeout=wait)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+
+
+def run_islands(args: argparse.Namespace, command: list[str], launcher_cls: Any) -> int:
+    """Runs ``args.islands`` islands of ``command``; returns the exit status."""
+    from distrain._src.cluster.launch import free_port
+
+    n = args.islands
+    lock = threading.Lock()
+    port = free_port()
+    sys.stderr.write(f"[launch] starting a local Ray cluster on 127.0.0.1:{port} for {n} islands\n")
+    ray = start_ray(port, num_cpus=max(2, n + 1))
+    codes: dict[int, int] = {}
+    launchers = []
+    for k in range(n):
+        island_args = copy.copy(args)
+        island_args.nproc = args.nproc_per_island
+        island_args.port = 0
+        env = {
+            **_ray_env(),
+            "RAY_ADDRESS": f"127.0.0.1:{port}",
+            ENV_ISLAND: str(k),
+            ENV_ISLANDS: str(n),
+        }
+        launchers.append(
+            launcher_cls(island_args, command, name=f"island {k} ", env=env, lock=lock)
+        )
+
+    def body(k: int) -> None:
+        try:
+            codes[k] = launchers[k].run()
+        except BaseException:  # noqa: BLE001 - reported as a failure of this island
+            codes[k] = 1
+            raise
+
+    threads = [threading.Thread(target=body, args=(k,), daemon=True) for k in range(n)]
+    try:
+        for t in threads:
+            t.start()
+        while any(t.is_alive() for t in threads):
+            time.sleep(0.1)
+    except BaseException:
+        for launcher in launchers:
+            for proc in launcher.procs:
+                if proc.poll() is None:
+                    try:
+                        os.killpg(proc.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+        raise
+    finally:
+        stop_ray(ray)
+    failed = [(k, c) for k, c in sorted(codes.items()) if c != 0]
+    if failed:
+        sys.stderr.write(
+            f"[launch] island(s) {', '.join(str(k) for k, _ in failed)} failed; exit status "
+            f"{failed[0][1]}\n"
+        )
+        return failed[0][1]
+    sys.stderr.write(f"[launch] all {n} islands finished\n")
+    return 0

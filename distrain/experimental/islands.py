@@ -1,0 +1,29 @@
+"""``dt.experimental.islands``: fault-isolated islands (DiLoCo across separate JAX worlds).
+
+Each island is its own process group; a Ray actor, the :class:`IslandCoordinator`, holds
+the global parameters, the outer optimizer, the rounds and the row ledger. Start them
+with ``distrain launch --islands N -- python train.py``, where ``train.py`` calls
+:func:`train` (``docs/islands.md``, "Fault-isolated islands").
+"""
+
+from distrain._src.islands.coordinator import IslandCoordinator as IslandCoordinator
+from distrain._src.islands.coordinator import IslandsConfig as IslandsConfig
+from distrain._src.islands.coordinator import IslandsFailed as IslandsFailed
+from distrain._src.islands.coordinator import RejoinRequired as RejoinRequired
+from distrain._src.islands.coordinator import committed_rows as committed_rows
+from distrain._src.islands.island import IslandsResult as IslandsResult
+from distrain._src.islands.island import random_access as random_access
+from distrain._src.islands.island import train as train
+from distrain._src.islands.rows import RowLedger as RowLedger
+
+__all__ = [
+    "IslandCoordinator",
+    "IslandsConfig",
+    "IslandsFailed",
+    "IslandsResult",
+    "RejoinRequired",
+    "RowLedger",
+    "committed_rows",
+    "random_access",
+    "train",
+]

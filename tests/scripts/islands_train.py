@@ -1,0 +1,80 @@
+"""One island of a fault-isolated islands run (started by `distrain launch --islands N`).
+
+A linear regression on 1,024 rows whose inputs carry their row id, so the rows each
+island trained can be checked. Arguments: DIRECTORY [--epochs E] [--sync-every H]
+[--batch B] [--death-timeout S] [--step-sleep S] [--min-islands M].
+"""
+
+import argparse
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import distrain as dt
+
+p = argparse.ArgumentParser()
+p.add_argument("directory")
+p.add_argument("--epochs", type=int, default=2)
+p.add_argument("--sync-every", type=int, default=4)
+p.add_argument("--batch", type=int, default=16)
+p.add_argument("--rows", type=int, default=256)
+p.add_argument("--death-timeout", type=float, default=4.0)
+p.add_argument("--step-sleep", type=float, default=0.0)
+p.add_argument("--min-islands", type=int, default=1)
+p.add_argument("--features", type=int, default=4)
+args = p.parse_args()
+
+rng = np.random.default_rng(0)
+w_true = rng.standard_normal((args.features, 1)).astype(np.float32)
+x = rng.standard_normal((args.rows, args.features)).astype(np.float32)
+data = {"x": x, "y": x @ w_true, "id": np.arange(args.rows, dtype=np.int32)}
+island = int(os.environ["DISTRAIN_ISLAND"])
+seen = os.path.join(args.directory, f"island-{island}", "steps.jsonl")
+
+
+def train_step(state, batch):
+    def loss_fn(params):
+        pred = batch["x"] @ params["w"]
+        return dt.compute_average_loss(jnp.sum((pred - batch["y"]) ** 2, axis=-1))
+
+    loss, grads = jax.value_and_grad(loss_fn)(state.params)
+    return state.apply_gradients(grads=grads), {"loss": loss}
+
+
+def slow_step(state, batch):
+    if args.step_sleep:
+        time.sleep(args.step_sleep)
+    return train_step(state, batch)
+
+
+params = {"w": jnp.zeros((args.features, 1), jnp.float32)}
+state = dt.TrainState.create(params=params, tx=optax.sgd(0.05))
+result = dt.experimental.islands.train(
+    slow_step if args.step_sleep else train_step,
+    state,
+    data,
+    batch_size=args.batch,
+    sync_every=args.sync_every,
+    directory=args.directory,
+    epochs=args.epochs,
+    death_timeout=args.death_timeout,
+    heartbeat_interval=0.5,
+    min_islands=args.min_islands,
+    start_timeout=60.0,
+    min_islands_timeout=60.0,
+)
+with open(os.path.join(args.directory, f"island-{island}", "result.json"), "w") as f:
+    json.dump(
+        {
+            "rounds": result.rounds,
+            "w": np.asarray(result.params["w"]).ravel().tolist(),
+            "w_true": w_true.ravel().tolist(),
+        },
+        f,
+    )
+print(f"island {island} done after {result.rounds} rounds", flush=True)
