@@ -222,7 +222,8 @@ class IslandCoordinator:
             token = uuid.uuid4().hex
             self._tokens[island] = token
             self._heartbeats[island] = time.time()
-            if self._leased or self._submissions:
+            short = len(self._members) < self.config.min_islands  # a round that waits
+            if (self._leased or self._submissions) and not short:
                 self._next.add(island)
             else:
                 self._members.add(island)
@@ -233,6 +234,7 @@ class IslandCoordinator:
     def heartbeat(self, island: int, token: str) -> None:
         with self._cond:
             self._check_token(island, token)
+            self._check_error()
             self._heartbeats[island] = time.time()
 
     def lease(
@@ -386,8 +388,11 @@ class IslandCoordinator:
         self._cond.notify_all()
 
     def _maybe_close(self) -> None:
-        """Applies the open round once every member still in it submitted."""
-        if self._submissions and all(i in self._submissions for i in self._members):
+        """Applies the open round once every member still in it submitted, if they are at
+        least ``min_islands`` (else it waits for a joiner, which enrolls in it)."""
+        if len(self._submissions) >= self.config.min_islands and all(
+            i in self._submissions for i in self._members
+        ):
             self._apply()
 
     def _apply(self) -> None:
@@ -421,6 +426,7 @@ class IslandCoordinator:
             "metrics": {str(i): self._submissions[i][2] for i in islands},
             "opened": self._opened,
             "last_submit": last_submit,
+            "ready": now,  # every member submitted or was declared dead
         }
         self._save(positions)
         record["closed"] = time.time()

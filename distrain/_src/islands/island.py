@@ -155,6 +155,7 @@ def train(
     min_islands_timeout: float = 300.0,
     call_timeout: float = 120.0,
     ray_address: str | None = None,
+    on_round: Callable[[int, Any], None] | None = None,
 ) -> IslandsResult:
     """Trains this island until every row of ``epochs`` passes was committed.
 
@@ -182,6 +183,8 @@ def train(
       min_islands_timeout: the run fails after this long below ``min_islands``.
       call_timeout: seconds a call to the coordinator may take (its restart included).
       ray_address: the Ray cluster (default ``RAY_ADDRESS``, set by the launcher).
+      on_round: called as ``on_round(round, global_params)`` before each round this
+        island trains, and once with the final parameters (e.g. to evaluate them).
 
     Returns:
       :class:`IslandsResult` (the final global parameters on every island).
@@ -230,14 +233,22 @@ def train(
     leaves, treedef = jax.tree.flatten(host_params)
     leaves = [np.asarray(x) for x in leaves]
     structure = structure_of(leaves, str(treedef))
-    chief = jax.process_index() == 0
+    from distrain._src.cluster.base import ENV_NUM_PROCESSES
+
+    processes = max(jax.process_count(), int(os.environ.get(ENV_NUM_PROCESSES, "1")))
+    if processes > 1:
+        raise ValueError(
+            f"islands.train runs one process per island in this release; this island has "
+            f"{processes} processes. Use --nproc-per-island 1 (each process may "
+            "hold several devices: --devices-per-proc, or the GPUs it sees)."
+        )
+    remote.connect(ray_address, islands)
     own_dir = os.path.join(directory, f"island-{island}")
-    log = _Log(own_dir, chief)
-    ledger = goodput.Ledger(own_dir, write=chief)
+    log = _Log(own_dir, True)
+    ledger = goodput.Ledger(own_dir)
     goodput.set_current(ledger)
     log("start", island=island, pid=os.getpid(), process_start=goodput.process_start_time())
 
-    remote.connect(ray_address, islands)
     name = remote.actor_name(directory)
     args = (config, leaves, str(treedef), outer_optimizer, directory)
     coord = remote.Coordinator(remote.coordinator(name, args), call_timeout)
@@ -281,6 +292,8 @@ def train(
                     )
                 if finished:
                     break
+                if on_round is not None:
+                    on_round(r, to_tree(global_leaves))
                 if placed is None:  # a (re)join: the initial optimizer state
                     fresh = state.replace(params=to_tree(global_leaves))
                     if hasattr(fresh, "step"):
@@ -345,6 +358,8 @@ def train(
                 log("rejoin", why=str(e))
                 token.clear()
         final = to_tree(global_leaves)
+        if on_round is not None:
+            on_round(r, final)
         stop.set()
         coord("leave", island, token[-1])
         ledger.finished()
@@ -352,3 +367,5 @@ def train(
         return IslandsResult(params=final, island=island, rounds=len(history), history=history)
     finally:
         stop.set()
+        goodput.set_current(None)
+        ledger.close()

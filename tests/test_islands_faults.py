@@ -1,0 +1,381 @@
+"""Fault-isolated islands (issue 38): the row ledger, the coordinator, and real runs.
+
+The coordinator and the ledger are exercised in-process (they are plain classes; in a
+run they live in a Ray actor). The runs start `distrain launch --islands 2` with a real
+local Ray cluster, SIGKILL an island and the coordinator's actor process, and count the
+committed rows by id.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import optax
+import pytest
+
+from distrain._src.goodput.report import report
+from distrain._src.islands.coordinator import (
+    IslandCoordinator,
+    IslandsConfig,
+    IslandsFailed,
+    RejoinRequired,
+    committed_rows,
+)
+from distrain._src.islands.island import random_access
+from distrain._src.islands.rows import RowLedger
+
+ROOT = Path(__file__).resolve().parent.parent
+SCRIPT = ROOT / "tests" / "scripts" / "islands_train.py"
+PARAMS = [np.zeros((3,), np.float32), np.ones((2, 2), np.float32)]
+TREEDEF = "PyTreeDef({'a': *, 'b': *})"
+
+
+def _config(**kw):
+    base = dict(
+        islands=2, sync_every=2, batch_size=2, num_rows=10, epochs=1, seed=None,
+        death_timeout=0.6, heartbeat_interval=0.1, start_timeout=30.0,
+    )  # fmt: skip
+    return IslandsConfig(**{**base, **kw})
+
+
+def _coordinator(tmp_path, tx=None, **kw):
+    return IslandCoordinator(
+        _config(**kw), PARAMS, TREEDEF, tx or optax.sgd(1.0), str(tmp_path / "run")
+    )
+
+
+def _structure(params=PARAMS, treedef=TREEDEF):
+    from distrain._src.islands.coordinator import structure_of
+
+    return structure_of(params, treedef)
+
+
+def _round(coord, island, token, after, grad_value):
+    """One island's round: wait, lease, submit a constant pseudo-gradient."""
+    r, params, finished = coord.wait_round(island, token, after, timeout=10)
+    if finished:
+        return r, None, True
+    positions, _, _ = coord.lease(island, token, r, timeout=10)
+    grads = None if not len(positions) else [np.full_like(p, grad_value) for p in params]
+    coord.submit(island, token, r, grads, {"loss": 0.0})
+    return r, positions, False
+
+
+# ----------------------------------------------------------------------- the ledger
+
+
+def test_row_ledger_gives_every_position_once_through_deaths_and_a_restore():
+    rng = np.random.default_rng(0)
+    ledger = RowLedger(num_rows=37, epochs=3, seed=5)
+    committed = []
+    while not ledger.exhausted:
+        alive = [i for i in range(3) if rng.random() > 0.3] or [0]
+        for i in alive:
+            ledger.lease(i, 8)
+        dead = [i for i in alive if rng.random() < 0.3]
+        for i in dead:
+            ledger.give_back(i)
+        live = [i for i in alive if i not in dead]
+        for i in live:
+            ledger.submitted(i)
+        committed.append(ledger.commit(live))
+        ledger = RowLedger.from_state(ledger.state_dict())  # a checkpoint every round
+    positions = np.concatenate(committed)
+    assert np.array_equal(np.sort(positions), np.arange(37 * 3))
+    epochs, rows = ledger.rows(np.arange(37 * 3))
+    for e in range(3):  # each epoch is a permutation of the rows, seeded per epoch
+        assert sorted(rows[epochs == e]) == list(range(37))
+    assert not np.array_equal(rows[epochs == 0], rows[epochs == 1])
+
+
+def test_row_ledger_refuses_a_second_lease_and_a_checkpoint_with_open_leases():
+    ledger = RowLedger(10, 1, None)
+    ledger.lease(0, 4)
+    with pytest.raises(RuntimeError, match="still holds a lease"):
+        ledger.lease(0, 4)
+    with pytest.raises(RuntimeError, match="leases are open"):
+        ledger.state_dict()
+    with pytest.raises(ValueError, match="num_rows >= 1"):
+        RowLedger(0, 1, None)
+
+
+# ------------------------------------------------------------------ the coordinator
+
+
+def test_a_round_applies_the_row_weighted_mean_through_the_outer_optimizer(tmp_path):
+    # 10 rows, leases of 4: round 0 gives 4 + 4 rows, round 1 gives 2 + 0.
+    coord = _coordinator(tmp_path)
+    t0, t1 = coord.join(0, _structure()), coord.join(1, _structure())
+    coord.wait_round(0, t0, -1)
+    coord.wait_round(1, t1, -1)
+    p0, _, _ = coord.lease(0, t0, 0)
+    p1, _, _ = coord.lease(1, t1, 0)
+    assert (len(p0), len(p1)) == (4, 4)
+    coord.submit(0, t0, 0, [np.full_like(p, 1.0) for p in PARAMS])
+    assert coord.status()["round"] == 0  # waits for island 1
+    coord.submit(1, t1, 0, [np.full_like(p, 3.0) for p in PARAMS])
+    r, params, finished = coord.wait_round(0, t0, 0)
+    assert (r, finished) == (1, False)
+    np.testing.assert_allclose(params[0], PARAMS[0] - 2.0)  # sgd(1.0) of the mean 2.0
+    q0, _, _ = coord.lease(0, t0, 1)
+    q1, _, _ = coord.lease(1, t1, 1)
+    assert (len(q0), len(q1)) == (2, 0)
+    coord.submit(1, t1, 1, None)
+    coord.submit(0, t0, 1, [np.full_like(p, 0.5) for p in PARAMS])
+    _, params, finished = coord.wait_round(1, t1, 1)
+    assert finished  # an island with no rows does not dilute the mean
+    np.testing.assert_allclose(params[0], PARAMS[0] - 2.5)
+    assert np.array_equal(np.sort(committed_rows(str(tmp_path / "run"))), np.arange(10))
+    coord.stop()
+
+
+def test_a_silent_island_is_dead_its_rows_go_to_the_survivor_and_none_is_lost(tmp_path):
+    coord = _coordinator(tmp_path)
+    t0, t1 = coord.join(0, _structure()), coord.join(1, _structure())
+    coord.wait_round(1, t1, -1)
+    lost_lease = coord.lease(1, t1, 0)[0]
+    # Island 1 leased rows and falls silent; island 0 keeps beating and training.
+    stop = threading.Event()
+
+    def beat():
+        while not stop.wait(0.05):
+            try:
+                coord.heartbeat(0, t0)
+            except RejoinRequired:
+                return
+
+    threading.Thread(target=beat, daemon=True).start()
+    after, trained = -1, []
+    while True:
+        r, positions, finished = _round(coord, 0, t0, after, 1.0)
+        if finished:
+            break
+        trained.append(positions)
+        after = r
+    stop.set()
+    events = [json.loads(x) for x in open(tmp_path / "run" / "events.jsonl")]
+    dead = [e for e in events if e["event"] == "dead"]
+    assert dead and dead[0]["island"] == 1 and dead[0]["rows_returned"] == len(lost_lease) == 4
+    assert "no heartbeat for 0.6 s" in dead[0]["why"]
+    assert set(lost_lease) <= set(np.concatenate(trained))  # the survivor trained them
+    assert np.array_equal(np.sort(committed_rows(str(tmp_path / "run"))), np.arange(10))
+    with pytest.raises(RejoinRequired, match="declared dead"):
+        coord.submit(1, t1, 0, [np.zeros_like(p) for p in PARAMS])
+    coord.stop()
+
+
+def test_a_restarted_coordinator_resumes_its_checkpoint_and_old_tokens_rejoin(tmp_path):
+    coord = _coordinator(tmp_path, tx=optax.sgd(0.1, momentum=0.9), num_rows=20)
+    t0, t1 = coord.join(0, _structure()), coord.join(1, _structure())
+    for after in (-1, 0):
+        _round(coord, 0, t0, after, 1.0)
+        _round(coord, 1, t1, after, 1.0)
+    # Round 2 is under way when the coordinator "dies": its lease is not committed.
+    coord.wait_round(0, t0, 1)
+    coord.lease(0, t0, 2)
+    before, status = coord.params(), coord.status()
+    coord.stop()
+    again = _coordinator(tmp_path, tx=optax.sgd(0.1, momentum=0.9), num_rows=20)
+    assert again.status()["round"] == 2 == status["round"]
+    assert again.status()["committed_rows"] == 16
+    for a, b in zip(again.params(), before, strict=True):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(RejoinRequired, match="restarted from its checkpoint"):
+        again.lease(0, t0, 2)
+    # The momentum was restored too: the next update equals the uninterrupted one's.
+    n0, n1 = again.join(0, _structure()), again.join(1, _structure())
+    _round(again, 0, n0, -1, 1.0)
+    _round(again, 1, n1, -1, 1.0)
+    _, params, finished = again.wait_round(0, n0, 2)
+    assert finished and np.array_equal(
+        np.sort(committed_rows(str(tmp_path / "run"))), np.arange(20)
+    )
+    # sgd(0.1, momentum 0.9) on a constant 1.0: steps of 0.1, 0.19, 0.271.
+    np.testing.assert_allclose(params[0], PARAMS[0] - (0.1 + 0.19 + 0.271), rtol=1e-6)
+    again.stop()
+
+
+def test_below_min_islands_the_round_waits_then_every_call_fails(tmp_path):
+    coord = _coordinator(tmp_path, min_islands=2, min_islands_timeout=1.0, death_timeout=0.3)
+    t0, t1 = coord.join(0, _structure()), coord.join(1, _structure())
+    coord.wait_round(0, t0, -1)
+    coord.lease(0, t0, 0)
+    coord.lease(1, t1, 0)
+    deadline = time.time() + 10
+    with pytest.raises(IslandsFailed, match="fewer than min_islands=2"):
+        while time.time() < deadline:
+            coord.heartbeat(0, t0)
+            time.sleep(0.05)
+    coord.stop()
+
+
+def test_wrong_input_is_refused_and_nothing_is_applied(tmp_path):
+    with pytest.raises(ValueError, match="min_islands=3 is more than the islands started"):
+        _config(min_islands=3)
+    with pytest.raises(ValueError, match="heartbeat_interval < death_timeout"):
+        _config(death_timeout=0.1, heartbeat_interval=0.5)
+    coord = _coordinator(tmp_path)
+    other = [np.zeros((4,), np.float32), np.ones((2, 2), np.float32)]
+    with pytest.raises(ValueError, match=r"another parameter structure[\s\S]*float32\[4\]"):
+        coord.join(1, _structure(other))
+    with pytest.raises(ValueError, match="island 2 is not one of the 2 islands"):
+        coord.join(2, _structure())
+    t0 = coord.join(0, _structure())
+    coord.join(1, _structure())
+    coord.wait_round(0, t0, -1)
+    coord.lease(0, t0, 0)
+    with pytest.raises(ValueError, match="pseudo-gradient has shapes"):
+        coord.submit(0, t0, 0, [np.zeros((4,), np.float32), PARAMS[1]])
+    assert coord.status()["committed_rows"] == 0
+    np.testing.assert_array_equal(coord.params()[0], PARAMS[0])
+    coord.stop()
+    with pytest.raises(ValueError, match="holds a checkpoint of another model"):
+        _round_trip_other_model(tmp_path)
+
+
+def _round_trip_other_model(tmp_path):
+    coord = _coordinator(tmp_path / "b")
+    t0, t1 = coord.join(0, _structure()), coord.join(1, _structure())
+    _round(coord, 0, t0, -1, 1.0)
+    _round(coord, 1, t1, -1, 1.0)
+    coord.stop()
+    other = [np.zeros((4,), np.float32), np.ones((2, 2), np.float32)]
+    IslandCoordinator(_config(), other, TREEDEF, optax.sgd(1.0), str(tmp_path / "b" / "run"))
+
+
+def test_datasets_without_random_access_are_refused():
+    def gen():
+        yield {"x": np.zeros(3)}
+
+    for bad in (gen(), iter([1, 2]), "text"):
+        with pytest.raises(TypeError, match="need a random-access dataset"):
+            random_access(bad)
+    with pytest.raises(ValueError, match="different lengths"):
+        random_access({"x": np.zeros((3, 2)), "y": np.zeros(4)})
+    n, take = random_access({"x": np.arange(6).reshape(3, 2)})
+    assert n == 3 and take(np.array([2, 0]))["x"].tolist() == [[4, 5], [0, 1]]
+
+    class Source:  # grain's RandomAccessDataSource protocol
+        def __len__(self):
+            return 4
+
+        def __getitem__(self, i):
+            return {"x": np.full(2, i)}
+
+    n, take = random_access(Source())
+    assert n == 4 and take(np.array([3, 1]))["x"].tolist() == [[3, 3], [1, 1]]
+
+
+def test_train_checks_its_arguments_before_it_connects(tmp_path, monkeypatch):
+    import jax.numpy as jnp
+
+    import distrain as dt
+
+    state = dt.TrainState.create(params={"w": jnp.zeros(2)}, tx=optax.sgd(0.1))
+    data = {"x": np.zeros((10, 2), np.float32)}
+    train = dt.experimental.islands.train
+    monkeypatch.delenv("DISTRAIN_ISLAND", raising=False)
+    with pytest.raises(ValueError, match="needs this island's id"):
+        train(None, state, data, batch_size=2, sync_every=2, directory=str(tmp_path))
+    with pytest.raises(ValueError, match="must both split over the island's 8 replicas"):
+        train(None, state, data, batch_size=4, sync_every=2, directory=str(tmp_path),
+              island=0, islands=1)  # fmt: skip
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(RuntimeError, match="need one Ray cluster"):
+        train(None, state, data, batch_size=8, sync_every=2, directory=str(tmp_path),
+              island=0, islands=2, epochs=4)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--islands", "2", "--gpus-per-proc", "1"], "does not split GPUs between islands"),
+        (["--nproc", "2", "--nproc-per-island", "2"], "--nproc-per-island goes with --islands"),
+        (["--islands", "2", "--port", "1234"], "each island has its own"),
+    ],
+)
+def test_launcher_island_options_are_checked(argv, message):
+    proc = subprocess.run(
+        [sys.executable, "-m", "distrain.cli", "launch", *argv, "--", sys.executable, "-c", "0"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+
+
+# --------------------------------------------------------------------- real runs
+
+
+def _lines(path):
+    try:
+        return [json.loads(x) for x in open(path) if x.strip()]
+    except FileNotFoundError:
+        return []
+
+
+@pytest.mark.one_end("newest")  # ~40 s with a real Ray cluster: see tests/conftest.py
+def test_islands_survive_sigkills_of_an_island_and_the_coordinator(tmp_path):
+    """Two islands; island 1 is SIGKILLed twice mid-run, the coordinator's actor process
+    once. The launcher restarts the island, Ray the coordinator (from its checkpoint);
+    every row of both epochs enters exactly one applied round, the survivors never
+    restart, and each island's goodput ledger charges the downtime to its own island."""
+    run = tmp_path / "run"
+    rows, epochs = 2048, 2
+    cmd = [
+        sys.executable, "-m", "distrain.cli", "launch", "--islands", "2", "--max-restarts", "3",
+        "--", sys.executable, str(SCRIPT), str(run), "--rows", str(rows), "--epochs", str(epochs),
+        "--step-sleep", "0.03", "--death-timeout", "4",
+    ]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    out: list[str] = []
+    threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
+    plan = ["island", "coordinator", "island"]
+    killed: list[tuple[str, int]] = []
+    try:
+        deadline = time.time() + 240
+        while plan and proc.poll() is None and time.time() < deadline:
+            who = plan[0]
+            path = run / ("island-1/timeline.jsonl" if who == "island" else "events.jsonl")
+            events = _lines(path)
+            starts = [e for e in events if e["event"] == "start"]
+            if starts and starts[-1]["pid"] not in {p for _, p in killed}:
+                since = [e for e in events if e["event"] == "round" and e["t"] > starts[-1]["t"]]
+                if len(since) >= 3:
+                    time.sleep(0.1)
+                    os.kill(starts[-1]["pid"], signal.SIGKILL)
+                    killed.append((who, starts[-1]["pid"]))
+                    plan.pop(0)
+            time.sleep(0.05)
+        code = proc.wait(timeout=max(1, deadline - time.time()))
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    log = "".join(out)
+    assert code == 0 and not plan, log[-4000:]
+    positions = np.sort(committed_rows(str(run)))
+    assert np.array_equal(positions, np.arange(rows * epochs)), "rows lost or duplicated"
+    events = _lines(run / "events.jsonl")
+    assert [e["restored_round"] is not None for e in events if e["event"] == "start"] == [
+        False,
+        True,
+    ]
+    assert any(e["event"] == "dead" and e["island"] == 1 for e in events)
+    starts = {i: [e for e in _lines(run / f"island-{i}/timeline.jsonl") if e["event"] == "start"]
+              for i in (0, 1)}  # fmt: skip
+    assert (len(starts[0]), len(starts[1])) == (1, 3)  # the survivor never restarted
+    results = [json.loads((run / f"island-{i}/result.json").read_text()) for i in (0, 1)]
+    assert results[0]["w"] == results[1]["w"]  # both end with the same global model
+    np.testing.assert_allclose(results[0]["w"], results[0]["w_true"], atol=0.05)
+    g0, g1 = report(run / "island-0"), report(run / "island-1")
+    assert g0.buckets_s["downtime"] == 0 and g1.buckets_s["downtime"] > 0
+    assert g0.buckets_s["sync"] > 0 and len(g1.attempts) == 3
