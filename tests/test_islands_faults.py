@@ -94,13 +94,15 @@ def test_row_ledger_gives_every_position_once_through_deaths_and_a_restore():
     assert not np.array_equal(rows[epochs == 0], rows[epochs == 1])
 
 
-def test_row_ledger_refuses_a_second_lease_and_a_checkpoint_with_open_leases():
+def test_row_ledger_refuses_a_second_lease_and_saves_open_leases_as_returned():
     ledger = RowLedger(10, 1, None)
     ledger.lease(0, 4)
     with pytest.raises(RuntimeError, match="still holds a lease"):
         ledger.lease(0, 4)
-    with pytest.raises(RuntimeError, match="leases are open"):
-        ledger.state_dict()
+    ledger.lease(1, 2)
+    ledger.submitted(1)
+    restored = RowLedger.from_state(ledger.state_dict())  # neither lease was committed
+    assert restored.lease(0, 10).tolist() == [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
     with pytest.raises(ValueError, match="num_rows >= 1"):
         RowLedger(0, 1, None)
 
@@ -318,18 +320,15 @@ def _lines(path):
         return []
 
 
-@pytest.mark.one_end("newest")  # ~40 s with a real Ray cluster: see tests/conftest.py
-def test_islands_survive_sigkills_of_an_island_and_the_coordinator(tmp_path):
-    """Two islands; island 1 is SIGKILLed twice mid-run, the coordinator's actor process
-    once. The launcher restarts the island, Ray the coordinator (from its checkpoint);
-    every row of both epochs enters exactly one applied round, the survivors never
-    restart, and each island's goodput ledger charges the downtime to its own island."""
-    run = tmp_path / "run"
-    rows, epochs = 2048, 2
+def _run_with_kills(run, plan, extra=(), rows=2048, epochs=2):
+    """Runs 2 islands of SCRIPT under `distrain launch --islands 2`; SIGKILLs
+    ``plan``'s targets in turn ("island": island 1's process, "coordinator": the
+    coordinator actor's), each after the target's third round since it (re)started.
+    Returns the launcher's exit status, its output, and the plan left undone."""
     cmd = [
         sys.executable, "-m", "distrain.cli", "launch", "--islands", "2", "--max-restarts", "3",
         "--", sys.executable, str(SCRIPT), str(run), "--rows", str(rows), "--epochs", str(epochs),
-        "--step-sleep", "0.03", "--death-timeout", "4",
+        "--step-sleep", "0.03", "--death-timeout", "4", *extra,
     ]  # fmt: skip
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen(
@@ -338,21 +337,19 @@ def test_islands_survive_sigkills_of_an_island_and_the_coordinator(tmp_path):
     )  # fmt: skip
     out: list[str] = []
     threading.Thread(target=lambda: out.extend(proc.stdout), daemon=True).start()
-    plan = ["island", "coordinator", "island"]
-    killed: list[tuple[str, int]] = []
+    plan, killed = list(plan), set()
     try:
         deadline = time.time() + 240
         while plan and proc.poll() is None and time.time() < deadline:
-            who = plan[0]
-            path = run / ("island-1/timeline.jsonl" if who == "island" else "events.jsonl")
+            path = run / ("island-1/timeline.jsonl" if plan[0] == "island" else "events.jsonl")
             events = _lines(path)
             starts = [e for e in events if e["event"] == "start"]
-            if starts and starts[-1]["pid"] not in {p for _, p in killed}:
+            if starts and starts[-1]["pid"] not in killed:
                 since = [e for e in events if e["event"] == "round" and e["t"] > starts[-1]["t"]]
                 if len(since) >= 3:
                     time.sleep(0.1)
                     os.kill(starts[-1]["pid"], signal.SIGKILL)
-                    killed.append((who, starts[-1]["pid"]))
+                    killed.add(starts[-1]["pid"])
                     plan.pop(0)
             time.sleep(0.05)
         code = proc.wait(timeout=max(1, deadline - time.time()))
@@ -360,10 +357,20 @@ def test_islands_survive_sigkills_of_an_island_and_the_coordinator(tmp_path):
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-    log = "".join(out)
-    assert code == 0 and not plan, log[-4000:]
+    return code, "".join(out), plan
+
+
+@pytest.mark.one_end("newest")  # ~40 s with a real Ray cluster: see tests/conftest.py
+def test_islands_survive_sigkills_of_an_island_and_the_coordinator(tmp_path):
+    """Two islands; island 1 is SIGKILLed twice mid-run, the coordinator's actor process
+    once. The launcher restarts the island, Ray the coordinator (from its checkpoint);
+    every row of both epochs enters exactly one applied round, the survivors never
+    restart, and each island's goodput ledger charges the downtime to its own island."""
+    run = tmp_path / "run"
+    code, log, left = _run_with_kills(run, ["island", "coordinator", "island"])
+    assert code == 0 and not left, log[-4000:]
     positions = np.sort(committed_rows(str(run)))
-    assert np.array_equal(positions, np.arange(rows * epochs)), "rows lost or duplicated"
+    assert np.array_equal(positions, np.arange(2048 * 2)), "rows lost or duplicated"
     events = _lines(run / "events.jsonl")
     assert [e["restored_round"] is not None for e in events if e["event"] == "start"] == [
         False,
@@ -379,3 +386,82 @@ def test_islands_survive_sigkills_of_an_island_and_the_coordinator(tmp_path):
     g0, g1 = report(run / "island-0"), report(run / "island-1")
     assert g0.buckets_s["downtime"] == 0 and g1.buckets_s["downtime"] > 0
     assert g0.buckets_s["sync"] > 0 and len(g1.attempts) == 3
+
+
+@pytest.mark.one_end("lowest")  # ~30 s with a real Ray cluster: see tests/conftest.py
+def test_async_islands_survive_a_sigkill_with_every_row_once(tmp_path):
+    run = tmp_path / "run"
+    code, log, left = _run_with_kills(run, ["island"], extra=["--mode", "async"], epochs=1)
+    assert code == 0 and not left, log[-4000:]
+    assert np.array_equal(np.sort(committed_rows(str(run))), np.arange(2048))
+    rounds = [e for e in _lines(run / "events.jsonl") if e["event"] == "round"]
+    assert all(len(e["islands"]) == 1 for e in rounds)  # one arrival per update
+    staleness = [m["staleness"] for e in rounds for m in e["metrics"].values()]
+    assert max(staleness) >= 1  # the islands did not wait for each other
+    result = json.loads((run / "island-0/result.json").read_text())
+    np.testing.assert_allclose(result["w"], result["w_true"], atol=0.05)
+
+
+# ------------------------------------------------------------------ asynchronous mode
+
+
+def test_delayed_nesterov_is_nesterov_on_the_mean_of_each_delay():
+    import jax.numpy as jnp
+
+    from distrain._src.islands.outer import delayed_nesterov
+
+    rng = np.random.default_rng(0)
+    grads = [{"a": jnp.asarray(rng.standard_normal(3), jnp.float32)} for _ in range(8)]
+
+    def run(tx, gs):
+        params = {"a": jnp.ones(3)}
+        state = tx.init(params)
+        for g in gs:
+            updates, state = tx.update(g, state, params)
+            params = optax.apply_updates(params, updates)
+        return np.asarray(params["a"])
+
+    nesterov = optax.sgd(0.7, 0.9, nesterov=True)
+    np.testing.assert_allclose(run(delayed_nesterov(0.7, 0.9, 1), grads), run(nesterov, grads),
+                               rtol=1e-6)  # fmt: skip
+    means = [{"a": sum(g["a"] for g in grads[i : i + 4]) / 4} for i in (0, 4)]
+    np.testing.assert_allclose(run(delayed_nesterov(0.7, 0.9, 4), grads), run(nesterov, means),
+                               rtol=1e-5)  # fmt: skip
+    with pytest.raises(ValueError, match="delay >= 1"):
+        delayed_nesterov(0.7, 0.9, 0)
+
+
+def test_async_applies_on_arrival_discards_stale_work_and_loses_no_row(tmp_path):
+    coord = _coordinator(tmp_path, mode="async", max_staleness=0, num_rows=12)
+    t0, t1 = coord.join(0, _structure()), coord.join(1, _structure())
+    # Both pull version 0; island 0's arrival is applied at once (no barrier) ...
+    r0, _, _ = coord.wait_round(0, t0, -1)
+    r1, _, _ = coord.wait_round(1, t1, -1)
+    a, _, _ = coord.lease(0, t0, r0)
+    b, _, _ = coord.lease(1, t1, r1)
+    assert coord.submit(0, t0, r0, [np.full_like(p, 1.0) for p in PARAMS]) is True
+    assert coord.status()["round"] == 1
+    # ... which makes island 1's work one update stale: discarded, its rows returned.
+    assert coord.submit(1, t1, r1, [np.full_like(p, 1.0) for p in PARAMS]) is False
+    events = [json.loads(x) for x in open(tmp_path / "run" / "events.jsonl")]
+    assert [e["rows_returned"] for e in events if e["event"] == "stale"] == [len(b)] == [4]
+    np.testing.assert_allclose(coord.params()[0], PARAMS[0] - 1.0)
+    after = {0: r0, 1: r1}
+    while not coord.status()["finished"]:
+        for i, t in ((0, t0), (1, t1)):  # in turn: never stale
+            r, _, finished = coord.wait_round(i, t, after[i])
+            if finished:
+                break
+            positions, _, _ = coord.lease(i, t, r, timeout=0.1) or (None, None, None)
+            if positions is None:
+                continue
+            grads = [np.full_like(p, 1.0) for p in PARAMS] if len(positions) else None
+            assert coord.submit(i, t, r, grads) is True
+            after[i] = r
+    assert np.array_equal(np.sort(committed_rows(str(tmp_path / "run"))), np.arange(12))
+    np.testing.assert_allclose(coord.params()[0], PARAMS[0] - 3.0)  # 12 rows = 3 leases
+    coord.stop()
+    with pytest.raises(ValueError, match="max_staleness bounds the asynchronous mode"):
+        _config(max_staleness=2)
+    with pytest.raises(ValueError, match="mode must be 'sync' or 'async'"):
+        _config(mode="elastic")

@@ -2,7 +2,8 @@
 
 A linear regression on 1,024 rows whose inputs carry their row id, so the rows each
 island trained can be checked. Arguments: DIRECTORY [--epochs E] [--sync-every H]
-[--batch B] [--death-timeout S] [--step-sleep S] [--min-islands M].
+[--batch B] [--death-timeout S] [--step-sleep S] [--min-islands M] [--mode async]
+[--max-staleness K].
 """
 
 import argparse
@@ -27,6 +28,8 @@ p.add_argument("--death-timeout", type=float, default=4.0)
 p.add_argument("--step-sleep", type=float, default=0.0)
 p.add_argument("--min-islands", type=int, default=1)
 p.add_argument("--features", type=int, default=4)
+p.add_argument("--mode", default="sync")
+p.add_argument("--max-staleness", type=int, default=None)
 args = p.parse_args()
 
 rng = np.random.default_rng(0)
@@ -67,6 +70,8 @@ result = dt.experimental.islands.train(
     min_islands=args.min_islands,
     start_timeout=60.0,
     min_islands_timeout=60.0,
+    mode=args.mode,
+    max_staleness=args.max_staleness,
 )
 with open(os.path.join(args.directory, f"island-{island}", "result.json"), "w") as f:
     json.dump(

@@ -78,6 +78,10 @@ class IslandsConfig:
         the ``min_islands`` or more that did).
       min_islands_timeout: seconds a round waits below ``min_islands`` before the run
         fails.
+      mode: ``"sync"``: rounds with a barrier; ``"async"``: each pseudo-gradient is
+        applied when it arrives (the outer version counts the updates).
+      max_staleness: async only: a pseudo-gradient computed from parameters more than
+        this many updates old is discarded and its rows go back to the queue.
     """
 
     islands: int
@@ -91,8 +95,18 @@ class IslandsConfig:
     heartbeat_interval: float = 1.0
     start_timeout: float = 120.0
     min_islands_timeout: float = 300.0
+    mode: str = "sync"
+    max_staleness: int | None = None
 
     def __post_init__(self) -> None:
+        if self.mode not in ("sync", "async"):
+            raise ValueError(f"mode must be 'sync' or 'async'. Received: mode={self.mode!r}.")
+        if self.max_staleness is not None and (self.mode != "async" or self.max_staleness < 0):
+            raise ValueError(
+                "max_staleness bounds the asynchronous mode: expected mode='async' and "
+                f"max_staleness >= 0. Received: mode={self.mode!r}, "
+                f"max_staleness={self.max_staleness!r}."
+            )
         for name in ("islands", "sync_every", "batch_size", "num_rows", "epochs", "min_islands"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(
@@ -181,6 +195,7 @@ class IslandCoordinator:
         self._leased: set[int] = set()
         self._submissions: dict[int, tuple[list[np.ndarray] | None, int, dict[str, float]]] = {}
         self._submit_times: dict[int, float] = {}
+        self._pulled: dict[int, int] = {}  # async: the version each island trains from
         self._opened = time.time()
         self._assembling = True  # until the first lease: wait for every island
         self._below_since: float | None = time.time()
@@ -223,7 +238,8 @@ class IslandCoordinator:
             self._tokens[island] = token
             self._heartbeats[island] = time.time()
             short = len(self._members) < self.config.min_islands  # a round that waits
-            if (self._leased or self._submissions) and not short:
+            busy = (self._leased or self._submissions) and not short
+            if busy and self.config.mode == "sync":
                 self._next.add(island)
             else:
                 self._members.add(island)
@@ -250,12 +266,16 @@ class IslandCoordinator:
             while True:
                 self._check_token(island, token)
                 self._check_error()
-                if round_ != self.round or island not in self._members:
+                asynchronous = self.config.mode == "async"
+                if island not in self._members or (round_ != self.round and not asynchronous):
                     raise RejoinRequired(
                         f"island {island} asked for rows of round {round_}, but the open round "
                         f"is {self.round} and it is not enrolled in it."
                     )
-                if self._leased or self._may_start():
+                drained = self.ledger.next == self.ledger.total and not self.ledger.returned
+                if asynchronous and drained and not self.ledger.exhausted:
+                    pass  # others hold the last rows: one may die and give them back
+                elif self._leased or self._may_start():
                     break
                 if not self._cond.wait(deadline - time.time()) and time.time() >= deadline:
                     return None
@@ -272,12 +292,16 @@ class IslandCoordinator:
         round_: int,
         pseudo_gradient: list[np.ndarray] | None,
         metrics: dict[str, float] | None = None,
-    ) -> None:
-        """``island``'s pseudo-gradient for ``round_`` (None with an empty lease)."""
+    ) -> bool:
+        """``island``'s pseudo-gradient for ``round_`` (None with an empty lease).
+
+        Returns False when the asynchronous mode discarded it as too stale (its rows go
+        back to the queue), else True."""
         with self._cond:
             self._check_token(island, token)
             self._check_error()
-            if round_ != self.round or island not in self._leased or island in self._submissions:
+            stale_round = round_ != self.round and self.config.mode == "sync"
+            if stale_round or island not in self._leased or island in self._submissions:
                 raise RejoinRequired(
                     f"island {island} submitted for round {round_} without a lease of it (open "
                     f"round {self.round})."
@@ -290,11 +314,14 @@ class IslandCoordinator:
                         f"parameters have {[np.shape(p) for p in self._params]}. Nothing was "
                         "applied."
                     )
+            if self.config.mode == "async":
+                return self._submit_async(island, pseudo_gradient, dict(metrics or {}))
             rows = self.ledger.submitted(island)
             self._submissions[island] = (pseudo_gradient, rows, dict(metrics or {}))
             self._submit_times[island] = time.time()
             self._heartbeats[island] = time.time()
             self._maybe_close()
+            return True
 
     def wait_round(
         self, island: int, token: str, after: int, timeout: float = 2.0
@@ -305,8 +332,9 @@ class IslandCoordinator:
         row was committed; the parameters are the final ones."""
         deadline = time.time() + timeout
         with self._cond:
+            synchronous = self.config.mode == "sync"
             while not self.ledger.exhausted and (
-                self.round <= after or island not in self._members
+                (synchronous and self.round <= after) or island not in self._members
             ):
                 self._check_token(island, token)
                 self._check_error()
@@ -315,6 +343,7 @@ class IslandCoordinator:
                     return None
                 self._cond.wait(remaining)
             self._check_token(island, token)
+            self._pulled[island] = self.round
             return self.round, list(self._params), self.ledger.exhausted
 
     def leave(self, island: int, token: str) -> None:
@@ -390,16 +419,20 @@ class IslandCoordinator:
     def _maybe_close(self) -> None:
         """Applies the open round once every member still in it submitted, if they are at
         least ``min_islands`` (else it waits for a joiner, which enrolls in it)."""
-        if len(self._submissions) >= self.config.min_islands and all(
-            i in self._submissions for i in self._members
+        if (
+            self.config.mode == "sync"
+            and len(self._submissions) >= self.config.min_islands
+            and all(i in self._submissions for i in self._members)
         ):
             self._apply()
 
-    def _apply(self) -> None:
+    def _apply(self, weighted: bool = True) -> None:
         import jax.numpy as jnp
 
         now = time.time()
         grads = [(g, n) for g, n, _ in self._submissions.values() if g is not None and n > 0]
+        if not weighted:  # async: the one pseudo-gradient as given
+            grads = [(g, 1) for g, _ in grads]
         total = sum(n for _, n in grads)
         if total:
             mean = [
@@ -432,13 +465,41 @@ class IslandCoordinator:
         record["closed"] = time.time()
         self._event("round", **record)
         self.round += 1
-        self._members = {i for i in self._members if i in self._tokens} | self._next
-        self._next = set()
-        self._leased.clear()
+        if self.config.mode == "sync":
+            self._members = {i for i in self._members if i in self._tokens} | self._next
+            self._next = set()
+        self._leased -= set(islands)
         self._submissions.clear()
         self._submit_times.clear()
         self._opened = time.time()
         self._cond.notify_all()
+
+    def _submit_async(
+        self, island: int, pseudo_gradient: list[np.ndarray] | None, metrics: dict[str, float]
+    ) -> bool:
+        """Applies one island's pseudo-gradient now (weighted by its share of a full
+        lease), unless it is staler than ``max_staleness`` updates."""
+        staleness = self.round - self._pulled.get(island, self.round)
+        bound = self.config.max_staleness
+        self._heartbeats[island] = time.time()
+        if bound is not None and staleness > bound:
+            returned = self.ledger.give_back(island)
+            self._leased.discard(island)
+            self._event("stale", island=island, staleness=staleness, rows_returned=returned)
+            self._cond.notify_all()
+            return False
+        rows = self.ledger.submitted(island)
+        if pseudo_gradient is None:  # an empty lease: nothing to apply or commit
+            self.ledger.commit([island])
+            self._leased.discard(island)
+            self._cond.notify_all()
+            return True
+        share = rows / self.config.lease_rows
+        grads = [np.asarray(g, np.float32) * share for g in pseudo_gradient]
+        self._submissions = {island: (grads, rows, {**metrics, "staleness": staleness})}
+        self._submit_times = {island: time.time()}
+        self._apply(weighted=False)
+        return True
 
     def _watch(self) -> None:
         """Declares islands dead after ``death_timeout`` without a heartbeat; fails the run

@@ -30,6 +30,7 @@ import numpy as np
 from distrain._src.goodput import ledger as goodput
 from distrain._src.islands import remote
 from distrain._src.islands.coordinator import IslandsConfig, RejoinRequired, structure_of
+from distrain._src.islands.outer import delayed_nesterov
 
 Take = Callable[[np.ndarray], Any]
 
@@ -43,7 +44,8 @@ class IslandsResult:
       island: this island's id.
       rounds: the rounds this process trained and submitted.
       history: one dict per such round: ``round``, ``rows``, ``loss`` (the mean of the
-        step metrics' ``"loss"``, if any), ``compute_s`` and ``wait_s``.
+        step metrics' ``"loss"``, if any), ``compute_s`` and ``applied`` (False: the
+        asynchronous mode discarded it as too stale).
     """
 
     params: Any
@@ -153,6 +155,8 @@ def train(
     heartbeat_interval: float = 1.0,
     start_timeout: float = 120.0,
     min_islands_timeout: float = 300.0,
+    mode: str = "sync",
+    max_staleness: int | None = None,
     call_timeout: float = 120.0,
     ray_address: str | None = None,
     on_round: Callable[[int, Any], None] | None = None,
@@ -171,7 +175,9 @@ def train(
         island's goodput ledger and timeline. A directory with a checkpoint resumes.
       epochs, seed: the rows handed out: ``epochs`` passes, each in a permutation seeded
         by ``seed`` (``None``: in order).
-      outer_optimizer: optax; default DiLoCo's Nesterov SGD (lr 0.7, momentum 0.9).
+      outer_optimizer: optax; default DiLoCo's Nesterov SGD (lr 0.7, momentum 0.9), or
+        with ``mode="async"`` delayed Nesterov with the same constants and a delay of
+        ``islands`` arrivals.
       strategy: the synchronous strategy inside the island (default
         ``dt.MirroredStrategy()`` over this process's devices).
       island, islands: this island's id and the number of islands (default: from
@@ -181,6 +187,10 @@ def train(
         ``death_timeout`` s is dead; it sends one every ``heartbeat_interval`` s.
       start_timeout: round 0 waits this long for every island to join.
       min_islands_timeout: the run fails after this long below ``min_islands``.
+      mode: ``"sync"`` (rounds with a barrier) or ``"async"`` (each pseudo-gradient
+        applied when it arrives; no island waits for another).
+      max_staleness: async: discard a pseudo-gradient computed from parameters more than
+        this many outer updates old (its rows are trained again).
       call_timeout: seconds a call to the coordinator may take (its restart included).
       ray_address: the Ray cluster (default ``RAY_ADDRESS``, set by the launcher).
       on_round: called as ``on_round(round, global_params)`` before each round this
@@ -218,6 +228,8 @@ def train(
         heartbeat_interval=heartbeat_interval,
         start_timeout=start_timeout,
         min_islands_timeout=min_islands_timeout,
+        mode=mode,
+        max_staleness=max_staleness,
     )
     strategy = strategy or dt.MirroredStrategy()
     replicas = strategy.num_replicas_in_sync
@@ -228,6 +240,8 @@ def train(
             f"{num_rows} rows x {epochs} epochs mod {batch_size}) must both split over the "
             f"island's {replicas} replicas. Choose a batch size (or epochs) for which they do."
         )
+    if outer_optimizer is None and mode == "async":
+        outer_optimizer = delayed_nesterov(0.7, 0.9, delay=islands)
     outer_optimizer = outer_optimizer or optax.sgd(0.7, momentum=0.9, nesterov=True)
     host_params = jax.device_get(state.params)
     leaves, treedef = jax.tree.flatten(host_params)
@@ -304,7 +318,7 @@ def train(
                 else:
                     placed = placed.replace(params=strategy.put_replicated(to_tree(global_leaves)))
                 with ledger.phase("sync"):
-                    positions, _epochs, rows = coord.poll(
+                    _positions, _epochs, rows = coord.poll(
                         "lease", island, token[-1], r, until=call_timeout + min_islands_timeout
                     )
                 t0 = time.time()
@@ -335,7 +349,7 @@ def train(
                 )
                 t1 = time.time()
                 with ledger.phase("sync"):
-                    coord(
+                    applied = coord(
                         "submit",
                         island,
                         token[-1],
@@ -343,15 +357,18 @@ def train(
                         grads,
                         {"loss": loss or 0.0, "compute_s": compute},
                     )
-                history.append({"round": r, "rows": len(rows), "loss": loss, "compute_s": compute})
+                history.append(
+                    {"round": r, "rows": len(rows), "loss": loss, "compute_s": compute,
+                     "applied": applied}
+                )  # fmt: skip
                 log(
                     "round",
                     round=r,
+                    applied=applied,
                     rows=len(rows),
                     loss=loss,
                     compute_s=compute,
                     submit_s=time.time() - t1,
-                    positions_first=int(positions[0]) if len(positions) else None,
                 )
                 after = r
             except RejoinRequired as e:

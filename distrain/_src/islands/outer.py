@@ -27,7 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, Self
+from typing import TYPE_CHECKING, Any, NamedTuple, Self
 
 import jax
 import jax.numpy as jnp
@@ -460,3 +460,58 @@ def diloco_step(
         config, state, params_of=params_of, with_params=with_params, gather=gather
     )
     return state, aux
+
+
+class DelayedNesterovState(NamedTuple):
+    """:func:`delayed_nesterov`'s state: arrivals counted, the momentum, the buffer."""
+
+    count: jax.Array
+    momentum: Any
+    buffer: Any
+
+
+def delayed_nesterov(
+    learning_rate: float, momentum: float = 0.9, delay: int = 1
+) -> optax.GradientTransformation:
+    """Delayed Nesterov (Liu et al. 2024, "Asynchronous Local-SGD Training for Language
+    Modeling"): the outer optimizer of asynchronous islands.
+
+    Each pseudo-gradient ``g`` is applied as it arrives, ``-lr * g / delay``; the
+    momentum moves only every ``delay``-th arrival, with the mean of the last ``delay``
+    pseudo-gradients, and its Nesterov term ``-lr * momentum * m`` is applied then. Over
+    ``delay`` arrivals that is one Nesterov SGD step on their mean, so with ``delay=1``
+    it equals ``optax.sgd(lr, momentum, nesterov=True)``; with ``delay`` = the number of
+    islands, one momentum step per "round" of arrivals, however stale.
+
+    Example:
+      >>> tx = delayed_nesterov(0.7, 0.9, delay=4)
+    """
+    if delay < 1:
+        raise ValueError(f"delayed_nesterov needs delay >= 1. Received: delay={delay!r}.")
+
+    def init(params: Any) -> DelayedNesterovState:
+        zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
+        return DelayedNesterovState(jnp.zeros((), jnp.int32), zeros, zeros)
+
+    def update(
+        grads: Any, state: DelayedNesterovState, params: Any = None
+    ) -> tuple[Any, DelayedNesterovState]:
+        del params
+        count = state.count + 1
+        boundary = count % delay == 0
+        buffer = jax.tree.map(lambda b, g: b + g.astype(jnp.float32), state.buffer, grads)
+        mom = jax.tree.map(
+            lambda m, b: jnp.where(boundary, momentum * m + b / delay, m), state.momentum, buffer
+        )
+        updates = jax.tree.map(
+            lambda g, m: (
+                -learning_rate * g.astype(jnp.float32) / delay
+                - jnp.where(boundary, learning_rate * momentum * m, 0.0)
+            ).astype(g.dtype),
+            grads,
+            mom,
+        )
+        buffer = jax.tree.map(lambda b: jnp.where(boundary, jnp.zeros_like(b), b), buffer)
+        return updates, DelayedNesterovState(count, mom, buffer)
+
+    return optax.GradientTransformation(init, update)

@@ -135,18 +135,17 @@ class RowLedger:
 
     # ------------------------------------------------------------- checkpoint
     def state_dict(self) -> dict[str, Any]:
-        """The committed state (no leases: a checkpoint is taken between rounds)."""
-        if self.outstanding or self.pending:
-            raise RuntimeError(
-                "RowLedger.state_dict() is taken between rounds; leases are open: "
-                f"{sorted(self.outstanding)} outstanding, {sorted(self.pending)} pending."
-            )
+        """The committed state. Leases still open (asynchronous islands save while others
+        train) are saved as returned: a coordinator restored from it hands them out
+        again, since the parameters saved with it never saw them."""
+        open_leases = [*self.outstanding.values(), *self.pending.values()]
+        returned = [int(p) for lease in open_leases for p in lease] + self.returned
         return {
             "num_rows": self.num_rows,
             "epochs": self.epochs,
             "seed": self.seed,
             "next": self.next,
-            "returned": list(self.returned),
+            "returned": returned,
             "committed": self.committed,
         }
 
