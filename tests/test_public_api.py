@@ -24,6 +24,7 @@ PUBLIC = (
     "distrain.data",
     "distrain.experimental",
     "distrain.experimental.coordinator",
+    "distrain.experimental.islands",
     "distrain.experimental.partitioners",
     "distrain.goodput",
     "distrain.metrics",

@@ -14,6 +14,7 @@ from distrain._src.islands.coordinator import committed_rows as committed_rows
 from distrain._src.islands.island import IslandsResult as IslandsResult
 from distrain._src.islands.island import random_access as random_access
 from distrain._src.islands.island import train as train
+from distrain._src.islands.outer import delayed_nesterov as delayed_nesterov
 from distrain._src.islands.rows import RowLedger as RowLedger
 
 __all__ = [
@@ -24,6 +25,7 @@ __all__ = [
     "RejoinRequired",
     "RowLedger",
     "committed_rows",
+    "delayed_nesterov",
     "random_access",
     "train",
 ]

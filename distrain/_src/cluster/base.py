@@ -8,6 +8,9 @@ from collections.abc import Mapping, Sequence
 # distrain's own environment variables (also written by `distrain launch`).
 ENV_COORDINATOR_ADDRESS = "DISTRAIN_COORDINATOR_ADDRESS"
 ENV_NUM_PROCESSES = "DISTRAIN_NUM_PROCESSES"
+# `distrain launch --islands N`: this island's id and N.
+ENV_ISLAND = "DISTRAIN_ISLAND"
+ENV_ISLANDS = "DISTRAIN_ISLANDS"
 ENV_PROCESS_ID = "DISTRAIN_PROCESS_ID"
 ENV_LOCAL_DEVICES = "DISTRAIN_LOCAL_DEVICES"
 ENV_LOCAL_DEVICE_IDS = "DISTRAIN_LOCAL_DEVICE_IDS"

@@ -668,7 +668,7 @@ def run(args: argparse.Namespace) -> int:
         from distrain._src.islands.launch import run_islands
 
         try:
-            return run_islands(args, [program, *command[1:]], _Launcher)
+            return run_islands(args, [program, *command[1:]], _Launcher, free_port)
         except FileNotFoundError as e:
             sys.stderr.write(f"distrain launch: error: {e}\n")
             return 2

@@ -27,6 +27,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from distrain._src.cluster.base import ENV_ISLAND, ENV_ISLANDS, ENV_NUM_PROCESSES
 from distrain._src.goodput import ledger as goodput
 from distrain._src.islands import remote
 from distrain._src.islands.coordinator import IslandsConfig, RejoinRequired, structure_of
@@ -108,13 +109,13 @@ def _ids(island: int | None, islands: int | None) -> tuple[int, int]:
         value = os.environ.get(name)
         return None if value is None else int(value)
 
-    island = env(remote.ENV_ISLAND) if island is None else island
-    islands = env(remote.ENV_ISLANDS) if islands is None else islands
+    island = env(ENV_ISLAND) if island is None else island
+    islands = env(ENV_ISLANDS) if islands is None else islands
     if island is None or islands is None:
         raise ValueError(
             "islands.train needs this island's id and the number of islands: pass island= "
             f"and islands=, or start it with `distrain launch --islands N` (which sets "
-            f"{remote.ENV_ISLAND} and {remote.ENV_ISLANDS}). Received: island={island}, "
+            f"{ENV_ISLAND} and {ENV_ISLANDS}). Received: island={island}, "
             f"islands={islands}."
         )
     if not 0 <= island < islands:
@@ -247,8 +248,6 @@ def train(
     leaves, treedef = jax.tree.flatten(host_params)
     leaves = [np.asarray(x) for x in leaves]
     structure = structure_of(leaves, str(treedef))
-    from distrain._src.cluster.base import ENV_NUM_PROCESSES
-
     processes = max(jax.process_count(), int(os.environ.get(ENV_NUM_PROCESSES, "1")))
     if processes > 1:
         raise ValueError(

@@ -20,7 +20,7 @@ import threading
 import time
 from typing import Any
 
-from distrain._src.islands.remote import ENV_ISLAND, ENV_ISLANDS
+from distrain._src.cluster.base import ENV_ISLAND, ENV_ISLANDS
 
 RAY_START_TIMEOUT_S = 120.0
 
@@ -102,10 +102,12 @@ def stop_ray(proc: subprocess.Popen) -> None:
             continue
 
 
-def run_islands(args: argparse.Namespace, command: list[str], launcher_cls: Any) -> int:
-    """Runs ``args.islands`` islands of ``command``; returns the exit status."""
-    from distrain._src.cluster.launch import free_port
-
+def run_islands(
+    args: argparse.Namespace, command: list[str], launcher_cls: Any, free_port: Any
+) -> int:
+    """Runs ``args.islands`` islands of ``command``, each a ``launcher_cls`` (the plain
+    launcher, passed in so that this module does not import it); returns the exit
+    status."""
     n = args.islands
     lock = threading.Lock()
     port = free_port()

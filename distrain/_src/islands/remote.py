@@ -17,8 +17,6 @@ from typing import Any
 from distrain._src.islands.coordinator import IslandsFailed, RejoinRequired
 
 NAMESPACE = "distrain-islands"
-ENV_ISLAND = "DISTRAIN_ISLAND"
-ENV_ISLANDS = "DISTRAIN_ISLANDS"
 
 
 def import_ray(who: str = "Fault-isolated islands") -> Any:
