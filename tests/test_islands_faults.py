@@ -465,3 +465,61 @@ def test_async_applies_on_arrival_discards_stale_work_and_loses_no_row(tmp_path)
         _config(max_staleness=2)
     with pytest.raises(ValueError, match="mode must be 'sync' or 'async'"):
         _config(mode="elastic")
+
+
+def test_without_ray_both_sides_name_the_extra(monkeypatch):
+    from distrain._src.islands import launch
+
+    python = sys.executable
+    monkeypatch.setattr(sys, "executable", "/nonexistent/python")
+    monkeypatch.setenv("PATH", "/nonexistent")
+    with pytest.raises(FileNotFoundError, match=r"needs Ray: `pip install 'distrain\[ray\]'`"):
+        launch._ray_binary()
+    code = "import sys; sys.modules['ray'] = None\nfrom distrain._src.islands import remote\n"
+    code += "remote.import_ray()"
+    proc = subprocess.run([python, "-c", code], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
+    assert proc.returncode != 0
+    assert "need Ray (the islands and their coordinator talk through it)" in proc.stderr
+    assert "pip install 'distrain[ray]'" in proc.stderr
+
+
+@pytest.mark.one_end("lowest")  # ~20 s with a real Ray cluster: see tests/conftest.py
+def test_sigterm_to_the_launcher_stops_every_island_and_the_ray_head(tmp_path):
+    run = tmp_path / "run"
+    cmd = [
+        sys.executable, "-m", "distrain.cli", "launch", "--islands", "2", "--max-restarts", "3",
+        "--", sys.executable, str(SCRIPT), str(run), "--rows", "100000", "--step-sleep", "0.05",
+    ]  # fmt: skip
+    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)  # fmt: skip
+    try:
+        deadline = time.time() + 120
+        while time.time() < deadline and len(
+            [e for i in (0, 1) for e in _lines(run / f"island-{i}/timeline.jsonl")
+             if e["event"] == "round"]
+        ) < 2:  # fmt: skip
+            time.sleep(0.2)
+        pids = [_lines(run / f"island-{i}/timeline.jsonl")[0]["pid"] for i in (0, 1)]
+        coordinator = _lines(run / "events.jsonl")[0]["pid"]
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130 and "interrupted; all islands stopped" in out, out[-3000:]
+
+    def running(pid):  # a zombie waiting for init to reap it counts as gone
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+        except OSError:
+            return False
+
+    named = {"island 0": pids[0], "island 1": pids[1], "coordinator": coordinator}
+    deadline = time.time() + 10
+    while (alive := [n for n, pid in named.items() if running(pid)]) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not alive, f"{alive} outlived the launcher"  # nor any Ray worker

@@ -446,6 +446,7 @@ class _Launcher:
         self.name = name  # "island 2 ": a prefix for its logs and its processes' lines
         self.env = env or {}
         self.procs: list[subprocess.Popen] = []  # the latest attempt's
+        self.stopped = False  # set from another thread: restart nothing
         self.out = getattr(sys.stdout, "buffer", None) or sys.stdout
         self.lock = lock or threading.Lock()
 
@@ -587,8 +588,8 @@ class _Launcher:
         while True:
             limit = attempt + 1 + self.args.max_restarts - failures
             code, preempted = self.attempt(attempt, limit)
-            if code == 0:
-                return 0
+            if code == 0 or self.stopped:
+                return code
             if preempted and preemptions < self.args.max_preemptions:
                 preemptions += 1
                 self.log(
@@ -664,17 +665,6 @@ def run(args: argparse.Namespace) -> int:
     except _CannotStart as e:
         sys.stderr.write(f"distrain launch: error: {e}\n")
         return e.status
-    if args.islands is not None:
-        from distrain._src.islands.launch import run_islands
-
-        try:
-            return run_islands(args, [program, *command[1:]], _Launcher, free_port)
-        except FileNotFoundError as e:
-            sys.stderr.write(f"distrain launch: error: {e}\n")
-            return 2
-        except (KeyboardInterrupt, _Terminated):
-            sys.stderr.write("[launch] interrupted; all islands stopped\n")
-            return 130
     launcher = _Launcher(args, [program, *command[1:]])
     if program != command[0]:
         launcher.log(
@@ -687,6 +677,21 @@ def run(args: argparse.Namespace) -> int:
             raise _Terminated(signum)
 
         previous = signal.signal(signal.SIGTERM, on_term)
+    if args.islands is not None:
+        from distrain._src.islands.launch import run_islands
+
+        try:
+            return run_islands(args, [program, *command[1:]], _Launcher, free_port)
+        except (FileNotFoundError, RuntimeError) as e:  # no Ray; its head did not start
+            sys.stderr.write(f"distrain launch: error: {e}\n")
+            return 2
+        except (KeyboardInterrupt, _Terminated):
+            # run_islands killed every island's processes and stopped the Ray head.
+            sys.stderr.write("[launch] interrupted; all islands stopped\n")
+            return 130
+        finally:
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
     try:
         return launcher.run()
     except _CannotStart as e:  # the processes already started were stopped by attempt()

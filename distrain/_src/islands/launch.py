@@ -89,17 +89,50 @@ def _drain(proc: subprocess.Popen) -> None:
             pass
 
 
-def stop_ray(proc: subprocess.Popen) -> None:
-    for sig, wait in ((signal.SIGTERM, 5.0), (signal.SIGKILL, 5.0)):
-        try:
-            os.killpg(proc.pid, sig)
-        except ProcessLookupError:
-            return
-        try:
-            proc.wait(timeout=wait)
-            return
-        except subprocess.TimeoutExpired:
+def _session(sid: int) -> list[int]:
+    """The processes of session ``sid`` (Linux ``/proc``; empty elsewhere)."""
+    pids = []
+    for name in os.listdir("/proc") if os.path.isdir("/proc") else ():
+        if not name.isdigit():
             continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[3]) == sid:  # after "pid (comm)": state, ppid, pgrp, session
+            pids.append(int(name))
+    return pids
+
+
+def stop_ray(proc: subprocess.Popen) -> None:
+    """Stops the head and every Ray process it started. Ray's workers put themselves in
+    process groups of their own, but stay in the head's session (it was started with
+    ``start_new_session``), so the session is what is killed."""
+    members = _session(proc.pid)
+    try:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=5.0)
+    except (ProcessLookupError, subprocess.TimeoutExpired):
+        pass
+    for pid in {*members, *_session(proc.pid)}:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=5.0)
+
+
+def _kill_all(launchers: list[Any]) -> None:
+    for launcher in launchers:
+        for proc in list(launcher.procs):
+            if proc.poll() is None:
+                try:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
 
 
 def run_islands(
@@ -144,12 +177,11 @@ def run_islands(
             time.sleep(0.1)
     except BaseException:
         for launcher in launchers:
-            for proc in launcher.procs:
-                if proc.poll() is None:
-                    try:
-                        os.killpg(proc.pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+            launcher.stopped = True  # no island restarts from now on
+        _kill_all(launchers)
+        for t in threads:  # an attempt being started when the signal came ends here
+            t.join(timeout=10)
+        _kill_all(launchers)
         raise
     finally:
         stop_ray(ray)
