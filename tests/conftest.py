@@ -49,6 +49,7 @@ _SLOW_FILES_FIRST = (
     "test_ps_ray.py",
     "test_tracking.py",
     "test_multi_worker_failures.py",
+    "test_islands_faults.py",
 )
 
 

@@ -303,6 +303,35 @@ def test_islands_toy_runs(tmp_path):
     assert all(math.isfinite(r["final"]) for runs in result["runs"].values() for r in runs)
 
 
+def test_islands_faults_toy_runs(tmp_path):
+    """benchmarks/islands_faults.py --toy: 2 fault-isolated islands under `distrain launch
+    --islands`, island 1 SIGKILLed twice mid-round: every row committed once, both kills
+    rejoined, and the held-out losses of the arms."""
+    out, text = tmp_path / "faults.json", tmp_path / "text.txt"
+    text.write_bytes(b"".join(p.read_bytes() for p in sorted((ROOT / "docs").glob("*.md"))))
+    proc = subprocess.run(
+        # One unkilled seed (the toy's default is two): each arm starts a Ray head and
+        # its islands, and the test stays under two minutes.
+        [sys.executable, "-m", "benchmarks.islands_faults", "--toy", "--seeds", "0",
+         "--data", str(text), "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = json.loads(out.read_text())
+    killed = next(a for a in result["arms"] if a["killed"])
+    assert killed["exit"] == 0 and killed["rows_committed"] == killed["rows_total"] > 0
+    assert (killed["rows_lost"], killed["rows_duplicated"]) == (0, 0)
+    assert (result["rows_lost"], result["rows_duplicated"]) == (0, 0)
+    assert len(result["kills"]) == 2 and len({k["pid"] for k in result["kills"]}) == 2
+    assert len(result["rejoin_s"]) == 2 and all(math.isfinite(r) for r in result["rejoin_s"])
+    assert all(r["spawn_s"] >= 0 and r["joined_to_first_step_s"] >= 0 for r in result["rejoins"])
+    assert math.isfinite(result["cold_start_s"]) and math.isfinite(result["max_stall_s"])
+    assert all(math.isfinite(v) for v in result["final_losses"].values())
+    assert math.isfinite(result["killed_vs_unkilled_loss_gap"])
+    assert math.isfinite(result["seed_spread"])
+    assert result["targets"]["rows"]["met"]
+
+
 def test_experts_toy_runs(tmp_path):
     """benchmarks/experts.py --toy: expert bytes per device at 1/X of one device, the MoE
     and dense LMs' tokens/s, and the expert load's variation by window with and without

@@ -113,7 +113,7 @@ def test_row_ledger_refuses_a_second_lease_and_saves_open_leases_as_returned():
 def test_a_round_applies_the_row_weighted_mean_through_the_outer_optimizer(tmp_path):
     # 10 rows, leases of 4: round 0 gives 4 + 4 rows, round 1 gives 2 + 0.
     coord = _coordinator(tmp_path)
-    t0, t1 = coord.join(0, _structure()), coord.join(1, _structure())
+    t0, t1 = coord.join(0, _structure())[0], coord.join(1, _structure())[0]
     coord.wait_round(0, t0, -1)
     coord.wait_round(1, t1, -1)
     p0, _, _ = coord.lease(0, t0, 0)
@@ -139,7 +139,7 @@ def test_a_round_applies_the_row_weighted_mean_through_the_outer_optimizer(tmp_p
 
 def test_a_silent_island_is_dead_its_rows_go_to_the_survivor_and_none_is_lost(tmp_path):
     coord = _coordinator(tmp_path)
-    t0, t1 = coord.join(0, _structure()), coord.join(1, _structure())
+    t0, t1 = coord.join(0, _structure())[0], coord.join(1, _structure())[0]
     coord.wait_round(1, t1, -1)
     lost_lease = coord.lease(1, t1, 0)[0]
     # Island 1 leased rows and falls silent; island 0 keeps beating and training.
@@ -174,7 +174,7 @@ def test_a_silent_island_is_dead_its_rows_go_to_the_survivor_and_none_is_lost(tm
 
 def test_a_restarted_coordinator_resumes_its_checkpoint_and_old_tokens_rejoin(tmp_path):
     coord = _coordinator(tmp_path, tx=optax.sgd(0.1, momentum=0.9), num_rows=20)
-    t0, t1 = coord.join(0, _structure()), coord.join(1, _structure())
+    t0, t1 = coord.join(0, _structure())[0], coord.join(1, _structure())[0]
     for after in (-1, 0):
         _round(coord, 0, t0, after, 1.0)
         _round(coord, 1, t1, after, 1.0)
@@ -191,7 +191,8 @@ def test_a_restarted_coordinator_resumes_its_checkpoint_and_old_tokens_rejoin(tm
     with pytest.raises(RejoinRequired, match="restarted from its checkpoint"):
         again.lease(0, t0, 2)
     # The momentum was restored too: the next update equals the uninterrupted one's.
-    n0, n1 = again.join(0, _structure()), again.join(1, _structure())
+    (n0, steps0), (n1, steps1) = again.join(0, _structure()), again.join(1, _structure())
+    assert (steps0, steps1) == (4, 4)  # two applied rounds of 2 inner steps each
     _round(again, 0, n0, -1, 1.0)
     _round(again, 1, n1, -1, 1.0)
     _, params, finished = again.wait_round(0, n0, 2)
@@ -205,7 +206,7 @@ def test_a_restarted_coordinator_resumes_its_checkpoint_and_old_tokens_rejoin(tm
 
 def test_below_min_islands_the_round_waits_then_every_call_fails(tmp_path):
     coord = _coordinator(tmp_path, min_islands=2, min_islands_timeout=1.0, death_timeout=0.3)
-    t0, t1 = coord.join(0, _structure()), coord.join(1, _structure())
+    t0, t1 = coord.join(0, _structure())[0], coord.join(1, _structure())[0]
     coord.wait_round(0, t0, -1)
     coord.lease(0, t0, 0)
     coord.lease(1, t1, 0)
@@ -227,9 +228,9 @@ def test_wrong_input_is_refused_and_nothing_is_applied(tmp_path):
     with pytest.raises(ValueError, match=r"another parameter structure[\s\S]*float32\[4\]"):
         coord.join(1, _structure(other))
     with pytest.raises(ValueError, match="island 2 is not one of the 2 islands"):
-        coord.join(2, _structure())
-    t0 = coord.join(0, _structure())
-    coord.join(1, _structure())
+        coord.join(2, _structure())[0]
+    t0 = coord.join(0, _structure())[0]
+    coord.join(1, _structure())[0]
     coord.wait_round(0, t0, -1)
     coord.lease(0, t0, 0)
     with pytest.raises(ValueError, match="pseudo-gradient has shapes"):
@@ -243,7 +244,7 @@ def test_wrong_input_is_refused_and_nothing_is_applied(tmp_path):
 
 def _round_trip_other_model(tmp_path):
     coord = _coordinator(tmp_path / "b")
-    t0, t1 = coord.join(0, _structure()), coord.join(1, _structure())
+    t0, t1 = coord.join(0, _structure())[0], coord.join(1, _structure())[0]
     _round(coord, 0, t0, -1, 1.0)
     _round(coord, 1, t1, -1, 1.0)
     coord.stop()
@@ -388,7 +389,7 @@ def test_islands_survive_sigkills_of_an_island_and_the_coordinator(tmp_path):
     assert g0.buckets_s["sync"] > 0 and len(g1.attempts) == 3
 
 
-@pytest.mark.one_end("lowest")  # ~30 s with a real Ray cluster: see tests/conftest.py
+@pytest.mark.one_end("newest")  # ~30 s with a real Ray cluster: see tests/conftest.py
 def test_async_islands_survive_a_sigkill_with_every_row_once(tmp_path):
     run = tmp_path / "run"
     code, log, left = _run_with_kills(run, ["island"], extra=["--mode", "async"], epochs=1)
@@ -433,7 +434,7 @@ def test_delayed_nesterov_is_nesterov_on_the_mean_of_each_delay():
 
 def test_async_applies_on_arrival_discards_stale_work_and_loses_no_row(tmp_path):
     coord = _coordinator(tmp_path, mode="async", max_staleness=0, num_rows=12)
-    t0, t1 = coord.join(0, _structure()), coord.join(1, _structure())
+    t0, t1 = coord.join(0, _structure())[0], coord.join(1, _structure())[0]
     # Both pull version 0; island 0's arrival is applied at once (no barrier) ...
     r0, _, _ = coord.wait_round(0, t0, -1)
     r1, _, _ = coord.wait_round(1, t1, -1)
@@ -484,7 +485,7 @@ def test_without_ray_both_sides_name_the_extra(monkeypatch):
     assert "pip install 'distrain[ray]'" in proc.stderr
 
 
-@pytest.mark.one_end("lowest")  # ~20 s with a real Ray cluster: see tests/conftest.py
+@pytest.mark.one_end("newest")  # ~20 s with a real Ray cluster: see tests/conftest.py
 def test_sigterm_to_the_launcher_stops_every_island_and_the_ray_head(tmp_path):
     run = tmp_path / "run"
     cmd = [

@@ -196,6 +196,7 @@ class IslandCoordinator:
         self._submissions: dict[int, tuple[list[np.ndarray] | None, int, dict[str, float]]] = {}
         self._submit_times: dict[int, float] = {}
         self._pulled: dict[int, int] = {}  # async: the version each island trains from
+        self._island_steps: dict[int, int] = {}  # inner steps each island had applied
         self._opened = time.time()
         self._assembling = True  # until the first lease: wait for every island
         self._below_since: float | None = time.time()
@@ -209,8 +210,10 @@ class IslandCoordinator:
         self._monitor.start()
 
     # ------------------------------------------------------------- the calls
-    def join(self, island: int, structure: str) -> str:
-        """Registers (a new incarnation of) ``island`` and returns its token.
+    def join(self, island: int, structure: str) -> tuple[str, int]:
+        """Registers (a new incarnation of) ``island``; returns its token and the inner
+        steps of its earlier incarnations that applied rounds kept (its goodput ledger
+        counts the rest as lost).
 
         It is enrolled in the open round if no island leased rows of it yet, else in the
         next one; :meth:`wait_round` says when its round opens.
@@ -245,7 +248,7 @@ class IslandCoordinator:
                 self._members.add(island)
             self._event("join", island=island, round=self.round + (island in self._next))
             self._cond.notify_all()
-            return token
+            return token, self._island_steps.get(island, 0)
 
     def heartbeat(self, island: int, token: str) -> None:
         with self._cond:
@@ -427,6 +430,7 @@ class IslandCoordinator:
             self._apply()
 
     def _apply(self, weighted: bool = True) -> None:
+        import jax
         import jax.numpy as jnp
 
         now = time.time()
@@ -442,15 +446,16 @@ class IslandCoordinator:
             dtypes = [p.dtype for p in self._params]
             params, opt = self._update(
                 [jnp.asarray(p) for p in self._params],
-                self._opt_def.unflatten([jnp.asarray(x) for x in self._opt_leaves]),
+                jax.tree.unflatten(self._opt_def, [jnp.asarray(x) for x in self._opt_leaves]),
                 [jnp.asarray(m, d) for m, d in zip(mean, dtypes, strict=True)],
             )
             self._params = [np.asarray(p) for p in params]
-            import jax
-
             self._opt_leaves = [np.asarray(x) for x in jax.tree.leaves(opt)]
         islands = sorted(self._submissions)
         positions = self.ledger.commit(islands)
+        for i in islands:
+            steps = -(-self._submissions[i][1] // self.config.batch_size)
+            self._island_steps[i] = self._island_steps.get(i, 0) + steps
         last_submit = max(self._submit_times.values(), default=now)
         record = {
             "round": self.round,
@@ -546,12 +551,13 @@ class IslandCoordinator:
         os.makedirs(tmp)
         arrays = {f"p{k}": p for k, p in enumerate(self._params)}
         arrays.update({f"o{k}": x for k, x in enumerate(self._opt_leaves)})
-        np.savez(os.path.join(tmp, "state.npz"), **arrays)
+        np.savez(os.path.join(tmp, "state.npz"), **arrays)  # type: ignore[arg-type]  # numpy's stub
         meta = {
             "round": r + 1,
             "structure": self.structure,
             "config": dataclasses.asdict(self.config),
             "ledger": self.ledger.state_dict(),
+            "island_steps": {str(i): n for i, n in self._island_steps.items()},
         }
         with open(os.path.join(tmp, "meta.json"), "w") as f:
             json.dump(meta, f)
@@ -595,6 +601,7 @@ class IslandCoordinator:
             self._params = [z[f"p{k}"] for k in range(len(self._params))]
             self._opt_leaves = [z[f"o{k}"] for k in range(len(self._opt_leaves))]
         self.ledger = RowLedger.from_state(meta["ledger"])
+        self._island_steps = {int(i): int(n) for i, n in meta["island_steps"].items()}
         self.round = int(meta["round"])
         # Rows of rounds applied after this checkpoint belong to an abandoned timeline.
         for name in os.listdir(os.path.join(self.directory, "rows")):

@@ -17,6 +17,7 @@ together again).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import threading
@@ -32,6 +33,7 @@ from distrain._src.goodput import ledger as goodput
 from distrain._src.islands import remote
 from distrain._src.islands.coordinator import IslandsConfig, RejoinRequired, structure_of
 from distrain._src.islands.outer import delayed_nesterov
+from distrain._src.train.metrics import Metric
 
 Take = Callable[[np.ndarray], Any]
 
@@ -102,6 +104,15 @@ def random_access(data: Any) -> tuple[int, Take]:
         "or list of arrays, an array, a dt.data.ArrayPipeline, or a source with __len__ and "
         f"__getitem__ (grain's RandomAccessDataSource). Received: {type(data).__name__}."
     )
+
+
+def _round_loss(losses: list[Any]) -> float | None:
+    """The round's loss: the merged sums' value for ``dt.metrics``, else the mean."""
+    if not losses:
+        return None
+    if isinstance(losses[0], Metric):
+        return float(functools.reduce(lambda a, b: a.merge(b), losses).compute())
+    return float(np.mean(losses))
 
 
 def _ids(island: int | None, islands: int | None) -> tuple[int, int]:
@@ -284,6 +295,7 @@ def train(
         return jax.tree.unflatten(treedef, flat)
 
     history: list[dict[str, Any]] = []
+    done = 0  # inner steps of this island, its earlier incarnations' applied ones included
     first_step = True
     placed = None
     after = -1
@@ -292,8 +304,11 @@ def train(
             try:
                 if not token:
                     with ledger.phase("sync"):
-                        token.append(coord.retry(lambda: coord("join", island, structure)))
+                        new, done = coord.retry(lambda: coord("join", island, structure))
+                    token.append(new)
                     log("joined")
+                    # Steps of earlier incarnations whose round was not applied are lost.
+                    ledger.resumed(done)
                     placed, after = None, -1
                 with ledger.phase("sync"):
                     r, global_leaves, finished = coord.poll(
@@ -312,8 +327,6 @@ def train(
                     if hasattr(fresh, "step"):
                         fresh = fresh.replace(step=np.asarray(r * sync_every, np.int32))
                     placed = strategy.put_replicated(fresh)
-                    if r > 0 or after >= 0:
-                        ledger.resumed(r * sync_every)
                 else:
                     placed = placed.replace(params=strategy.put_replicated(to_tree(global_leaves)))
                 with ledger.phase("sync"):
@@ -332,11 +345,14 @@ def train(
                             log("first_step", round=r)
                             first_step = False
                     if isinstance(metrics, Mapping) and "loss" in metrics:
-                        losses.append(strategy.reduce("mean", metrics["loss"]))
-                    ledger.progress(r * sync_every + k // batch_size + 1)
+                        loss = metrics["loss"]  # an array per replica, or a dt.metrics sum
+                        op = "sum" if isinstance(loss, Metric) else "mean"
+                        losses.append(strategy.reduce(op, loss))
+                    done += 1
+                    ledger.progress(done)
                 with ledger.phase("step"):
                     local = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(placed.params))]
-                    loss = float(np.mean(jax.device_get(losses))) if losses else None
+                    loss = _round_loss(jax.device_get(losses))
                 compute = time.time() - t0
                 grads = (
                     [

@@ -465,7 +465,7 @@ def diloco_step(
 class DelayedNesterovState(NamedTuple):
     """:func:`delayed_nesterov`'s state: arrivals counted, the momentum, the buffer."""
 
-    count: jax.Array
+    arrivals: jax.Array
     momentum: Any
     buffer: Any
 
@@ -497,8 +497,8 @@ def delayed_nesterov(
         grads: Any, state: DelayedNesterovState, params: Any = None
     ) -> tuple[Any, DelayedNesterovState]:
         del params
-        count = state.count + 1
-        boundary = count % delay == 0
+        arrivals = state.arrivals + 1
+        boundary = arrivals % delay == 0
         buffer = jax.tree.map(lambda b, g: b + g.astype(jnp.float32), state.buffer, grads)
         mom = jax.tree.map(
             lambda m, b: jnp.where(boundary, momentum * m + b / delay, m), state.momentum, buffer
@@ -512,6 +512,6 @@ def delayed_nesterov(
             mom,
         )
         buffer = jax.tree.map(lambda b: jnp.where(boundary, jnp.zeros_like(b), b), buffer)
-        return updates, DelayedNesterovState(count, mom, buffer)
+        return updates, DelayedNesterovState(arrivals, mom, buffer)
 
     return optax.GradientTransformation(init, update)
