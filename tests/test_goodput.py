@@ -89,6 +89,7 @@ def test_report_accounts_for_a_failure_exactly(tmp_path):
         "input": 0.0,
         "checkpoint": 3.0,
         "evaluation": 1.0,
+        "sync": 0.0,  # an island's outer exchange (none here)
         "other": 0.0,
         "lost": 7 + 1 + 2,  # step, input and other after A's record of step 50
         "downtime": 5.0,  # A's last record (130) to B's process start (135)
