@@ -115,6 +115,17 @@ def _round_loss(losses: list[Any]) -> float | None:
     return float(np.mean(losses))
 
 
+def joined_state(initial: Any, params: Any, step: int) -> Any:
+    """The state an island trains from after it (re)joins in the round that starts at
+    inner step ``step``: the global ``params``, the *initial* state's optimizer state
+    (a new process has no other, and a live peer's would tie the islands together
+    again), and ``step`` as its step, so that learning-rate schedules go on."""
+    joined = initial.replace(params=params)
+    if hasattr(joined, "step"):
+        joined = joined.replace(step=np.asarray(step, np.int32))
+    return joined
+
+
 def _ids(island: int | None, islands: int | None) -> tuple[int, int]:
     def env(name: str) -> int | None:
         value = os.environ.get(name)
@@ -322,11 +333,9 @@ def train(
                     break
                 if on_round is not None:
                     on_round(r, to_tree(global_leaves))
-                if placed is None:  # a (re)join: the initial optimizer state
-                    fresh = state.replace(params=to_tree(global_leaves))
-                    if hasattr(fresh, "step"):
-                        fresh = fresh.replace(step=np.asarray(r * sync_every, np.int32))
-                    placed = strategy.put_replicated(fresh)
+                if placed is None:  # a (re)join
+                    joined = joined_state(state, to_tree(global_leaves), r * sync_every)
+                    placed = strategy.put_replicated(joined)
                 else:
                     placed = placed.replace(params=strategy.put_replicated(to_tree(global_leaves)))
                 with ledger.phase("sync"):

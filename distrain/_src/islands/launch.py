@@ -16,6 +16,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from typing import Any
@@ -42,8 +43,9 @@ def _ray_binary() -> str:
     return found
 
 
-def start_ray(port: int, num_cpus: int) -> subprocess.Popen:
-    """Starts a Ray head on 127.0.0.1:``port``; returns once it accepts connections."""
+def start_ray(port: int, num_cpus: int, temp_dir: str) -> subprocess.Popen:
+    """Starts a Ray head on 127.0.0.1:``port`` with its files in ``temp_dir``; returns
+    once it accepts connections."""
     proc = subprocess.Popen(
         [
             _ray_binary(),
@@ -55,6 +57,10 @@ def start_ray(port: int, num_cpus: int) -> subprocess.Popen:
             "--include-dashboard=false",
             "--disable-usage-stats",
             "--node-ip-address=127.0.0.1",
+            # Its own temporary directory: in Ray's default one the head would register
+            # as this machine's current cluster, which every other `ray.init()` here
+            # then joins (found by the suite: a Ray Train test attached to it).
+            f"--temp-dir={temp_dir}",
         ],
         env={**os.environ, **_ray_env()},
         stdin=subprocess.DEVNULL,
@@ -145,7 +151,8 @@ def run_islands(
     lock = threading.Lock()
     port = free_port()
     sys.stderr.write(f"[launch] starting a local Ray cluster on 127.0.0.1:{port} for {n} islands\n")
-    ray = start_ray(port, num_cpus=max(2, n + 1))
+    temp_dir = os.path.join(tempfile.gettempdir(), f"distrain-ray-{port}")
+    ray = start_ray(port, num_cpus=max(2, n + 1), temp_dir=temp_dir)
     codes: dict[int, int] = {}
     launchers = []
     for k in range(n):
@@ -185,6 +192,7 @@ def run_islands(
         raise
     finally:
         stop_ray(ray)
+        shutil.rmtree(temp_dir, ignore_errors=True)
     failed = [(k, c) for k, c in sorted(codes.items()) if c != 0]
     if failed:
         sys.stderr.write(
