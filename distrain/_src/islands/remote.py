@@ -38,9 +38,13 @@ def actor_name(directory: str) -> str:
 def connect(address: str | None, islands: int) -> None:
     """Joins the Ray cluster of the run (``address``, else ``RAY_ADDRESS``); a single
     island may start a local one."""
-    ray = import_ray()
-    if ray.is_initialized():
-        return
+    try:
+        import ray
+
+        if ray.is_initialized():  # the caller's own ray.init()
+            return
+    except ImportError:
+        pass  # said below, after the arguments are checked
     address = address or os.environ.get("RAY_ADDRESS")
     if address is None and islands > 1:
         raise RuntimeError(
@@ -48,6 +52,7 @@ def connect(address: str | None, islands: int) -> None:
             "them with `distrain launch --islands N -- python train.py` (it starts a local "
             "Ray cluster), or set RAY_ADDRESS (or ray_address=) to a running cluster."
         )
+    import_ray()
     from distrain._src.ps.ray_backend import connect as ps_connect
 
     ps_connect(address)
