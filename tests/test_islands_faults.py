@@ -308,6 +308,11 @@ def test_train_checks_its_arguments_before_it_connects(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="must both split over the island's 8 replicas"):
         train(None, state, data, batch_size=4, sync_every=2, directory=str(tmp_path),
               island=0, islands=1)  # fmt: skip
+    monkeypatch.setenv("DISTRAIN_NUM_PROCESSES", "2")
+    with pytest.raises(ValueError, match="one process per island in this release"):
+        train(None, state, data, batch_size=8, sync_every=2, directory=str(tmp_path),
+              island=0, islands=2, epochs=4)  # fmt: skip
+    monkeypatch.delenv("DISTRAIN_NUM_PROCESSES")
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(RuntimeError, match="need one Ray cluster"):
         train(None, state, data, batch_size=8, sync_every=2, directory=str(tmp_path),

@@ -148,15 +148,13 @@ def _ids(island: int | None, islands: int | None) -> tuple[int, int]:
 class _Log:
     """``DIR/island-I/timeline.jsonl``: start-up milestones and one line per round."""
 
-    def __init__(self, directory: str, write: bool) -> None:
-        self.path = os.path.join(directory, "timeline.jsonl") if write else None
-        if self.path:
-            os.makedirs(directory, exist_ok=True)
+    def __init__(self, directory: str) -> None:
+        os.makedirs(directory, exist_ok=True)
+        self.path = os.path.join(directory, "timeline.jsonl")
 
     def __call__(self, event: str, **fields: Any) -> None:
-        if self.path:
-            with open(self.path, "a") as f:
-                f.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
 
 
 def train(
@@ -279,7 +277,7 @@ def train(
         )
     remote.connect(ray_address, islands)
     own_dir = os.path.join(directory, f"island-{island}")
-    log = _Log(own_dir, True)
+    log = _Log(own_dir)
     ledger = goodput.Ledger(own_dir)
     goodput.set_current(ledger)
     log("start", island=island, pid=os.getpid(), process_start=goodput.process_start_time())
