@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-from distrain._src.islands import codecs, outer, schedule
+from distrain._src.islands import codecs, outer, rows, schedule
 from distrain._src.islands.outer import (
     DiLoCoState,
     after_inner_step,
@@ -567,7 +567,7 @@ def test_after_inner_step_is_usable_alone():
     assert int(state.step) == 2
 
 
-@pytest.mark.parametrize("module", [codecs, schedule, outer], ids=lambda m: m.__name__)
+@pytest.mark.parametrize("module", [codecs, schedule, outer, rows], ids=lambda m: m.__name__)
 def test_docstring_examples_run(module):
     globs = {**vars(module), "jax": jax, "jnp": jnp, "np": np, "optax": optax}
     result = doctest.testmod(module, globs=globs, optionflags=doctest.NORMALIZE_WHITESPACE)

@@ -151,10 +151,13 @@ class IslandCoordinator:
     Raises:
       ValueError: the directory holds a checkpoint of another model or configuration.
 
-    Example:
-      >>> coord = IslandCoordinator(config, leaves, treedef, optax.sgd(0.7), "runs/x")
-      >>> token, r, params, _ = coord.join(0, structure)
-      >>> rows = coord.lease(0, token, r)
+    Example (one island's round, in-process; in a run the calls go through Ray)::
+
+        coord = IslandCoordinator(config, leaves, treedef, optax.sgd(0.7), "runs/x")
+        token, _ = coord.join(0, structure)
+        r, params, finished = coord.wait_round(0, token, after=-1)
+        positions, epochs, rows = coord.lease(0, token, r)
+        coord.submit(0, token, r, pseudo_gradient)  # global minus the island's params
     """
 
     def __init__(

@@ -16,8 +16,11 @@ Example:
   >>> ledger = RowLedger(num_rows=10, epochs=1, seed=None)
   >>> ledger.lease(0, 4).tolist(), ledger.lease(1, 4).tolist()
   ([0, 1, 2, 3], [4, 5, 6, 7])
-  >>> ledger.give_back(1)           # island 1 died: its rows are trained later
-  >>> ledger.submitted(0); ledger.commit([0]).tolist()
+  >>> ledger.give_back(1)           # island 1 died: its 4 rows are trained later
+  4
+  >>> ledger.submitted(0)            # island 0 submitted its 4 rows ...
+  4
+  >>> ledger.commit([0]).tolist()    # ... and its round was applied
   [0, 1, 2, 3]
   >>> ledger.lease(0, 4).tolist()   # returned rows first
   [4, 5, 6, 7]
