@@ -61,7 +61,7 @@ def _round(coord, island, token, after, grad_value):
     r, params, finished = coord.wait_round(island, token, after, timeout=10)
     if finished:
         return r, None, True
-    positions, _, _ = coord.lease(island, token, r, timeout=10)
+    positions, _ = coord.lease(island, token, r, timeout=10)
     grads = None if not len(positions) else [np.full_like(p, grad_value) for p in params]
     coord.submit(island, token, r, grads, {"loss": 0.0})
     return r, positions, False
@@ -116,8 +116,8 @@ def test_a_round_applies_the_row_weighted_mean_through_the_outer_optimizer(tmp_p
     t0, t1 = coord.join(0, _structure())[0], coord.join(1, _structure())[0]
     coord.wait_round(0, t0, -1)
     coord.wait_round(1, t1, -1)
-    p0, _, _ = coord.lease(0, t0, 0)
-    p1, _, _ = coord.lease(1, t1, 0)
+    p0, _ = coord.lease(0, t0, 0)
+    p1, _ = coord.lease(1, t1, 0)
     assert (len(p0), len(p1)) == (4, 4)
     coord.submit(0, t0, 0, [np.full_like(p, 1.0) for p in PARAMS])
     assert coord.status()["round"] == 0  # waits for island 1
@@ -125,8 +125,8 @@ def test_a_round_applies_the_row_weighted_mean_through_the_outer_optimizer(tmp_p
     r, params, finished = coord.wait_round(0, t0, 0)
     assert (r, finished) == (1, False)
     np.testing.assert_allclose(params[0], PARAMS[0] - 2.0)  # sgd(1.0) of the mean 2.0
-    q0, _, _ = coord.lease(0, t0, 1)
-    q1, _, _ = coord.lease(1, t1, 1)
+    q0, _ = coord.lease(0, t0, 1)
+    q1, _ = coord.lease(1, t1, 1)
     assert (len(q0), len(q1)) == (2, 0)
     coord.submit(1, t1, 1, None)
     coord.submit(0, t0, 1, [np.full_like(p, 0.5) for p in PARAMS])
@@ -327,12 +327,12 @@ def test_train_checks_its_arguments_before_it_connects(tmp_path, monkeypatch):
         (["--islands", "2", "--port", "1234"], "each island has its own"),
     ],
 )
-def test_launcher_island_options_are_checked(argv, message):
-    proc = subprocess.run(
-        [sys.executable, "-m", "distrain.cli", "launch", *argv, "--", sys.executable, "-c", "0"],
-        capture_output=True, text=True, timeout=60,
-    )  # fmt: skip
-    assert proc.returncode == 2 and message in proc.stderr, proc.stderr
+def test_launcher_island_options_are_checked(argv, message, capsys):
+    from distrain._src.cluster.launch import main
+
+    # In-process: the options are checked before anything starts.
+    assert main([*argv, "--", sys.executable, "-c", "0"]) == 2
+    assert message in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------- real runs
@@ -462,8 +462,8 @@ def test_async_applies_on_arrival_discards_stale_work_and_loses_no_row(tmp_path)
     # Both pull version 0; island 0's arrival is applied at once (no barrier) ...
     r0, _, _ = coord.wait_round(0, t0, -1)
     r1, _, _ = coord.wait_round(1, t1, -1)
-    a, _, _ = coord.lease(0, t0, r0)
-    b, _, _ = coord.lease(1, t1, r1)
+    a, _ = coord.lease(0, t0, r0)
+    b, _ = coord.lease(1, t1, r1)
     assert coord.submit(0, t0, r0, [np.full_like(p, 1.0) for p in PARAMS]) is True
     assert coord.status()["round"] == 1
     # ... which makes island 1's work one update stale: discarded, its rows returned.
@@ -477,7 +477,7 @@ def test_async_applies_on_arrival_discards_stale_work_and_loses_no_row(tmp_path)
             r, _, finished = coord.wait_round(i, t, after[i])
             if finished:
                 break
-            positions, _, _ = coord.lease(i, t, r, timeout=0.1) or (None, None, None)
+            positions, _ = coord.lease(i, t, r, timeout=0.1) or (None, None)
             if positions is None:
                 continue
             grads = [np.full_like(p, 1.0) for p in PARAMS] if len(positions) else None

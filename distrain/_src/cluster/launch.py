@@ -450,6 +450,11 @@ class _Launcher:
         self.out = getattr(sys.stdout, "buffer", None) or sys.stdout
         self.lock = lock or threading.Lock()
 
+    def stop(self) -> None:
+        """From another thread: restart nothing more, and kill the running processes."""
+        self.stopped = True
+        _kill(list(self.procs))
+
     def log(self, message: str) -> None:
         with self.lock:
             sys.stderr.write(f"[launch] {self.name}{message}\n")
@@ -622,38 +627,39 @@ def run(args: argparse.Namespace) -> int:
     command = list(args.command)
     if command and command[0] == "--":
         command = command[1:]
-    if not command:
-        sys.stderr.write(
-            "distrain launch: error: expected the program to run after '--', e.g. "
-            "`distrain launch --nproc 2 -- python train.py`. Received no command.\n"
-        )
-        return 2
-    if args.gpus_per_proc is not None and args.devices_per_proc is not None:
-        sys.stderr.write(
-            "distrain launch: error: --devices-per-proc (virtual CPU devices) and "
-            "--gpus-per-proc (GPUs) exclude each other; received both. Use --gpus-per-proc "
-            "on GPU machines, --devices-per-proc on CPUs.\n"
-        )
-        return 2
-    if args.islands is None and args.nproc_per_island != 1:
-        sys.stderr.write(
-            "distrain launch: error: --nproc-per-island goes with --islands N; received it "
-            "with --nproc. Use --nproc P for one job of P processes.\n"
-        )
-        return 2
-    if args.islands is not None and args.gpus_per_proc is not None:
-        sys.stderr.write(
-            "distrain launch: error: --islands does not split GPUs between islands yet; "
-            "received --gpus-per-proc. Start one `distrain launch --islands` per GPU set "
-            "with CUDA_VISIBLE_DEVICES, or use --devices-per-proc on CPUs.\n"
-        )
-        return 2
-    if args.islands is not None and args.port:
-        sys.stderr.write(
-            "distrain launch: error: --port names one coordinator port; each island has its "
-            "own (free ports are chosen). Remove --port with --islands.\n"
-        )
-        return 2
+    islands = args.islands is not None
+    for bad, message in (
+        (
+            not command,
+            "expected the program to run after '--', e.g. `distrain launch --nproc 2 -- "
+            "python train.py`. Received no command.",
+        ),
+        (
+            args.gpus_per_proc is not None and args.devices_per_proc is not None,
+            "--devices-per-proc (virtual CPU devices) and --gpus-per-proc (GPUs) exclude "
+            "each other; received both. Use --gpus-per-proc on GPU machines, "
+            "--devices-per-proc on CPUs.",
+        ),
+        (
+            not islands and args.nproc_per_island != 1,
+            "--nproc-per-island goes with --islands N; received it with --nproc. Use "
+            "--nproc P for one job of P processes.",
+        ),
+        (
+            islands and args.gpus_per_proc is not None,
+            "--islands does not split GPUs between islands yet; received --gpus-per-proc. "
+            "Start one `distrain launch --islands` per GPU set with CUDA_VISIBLE_DEVICES, or "
+            "use --devices-per-proc on CPUs.",
+        ),
+        (
+            islands and bool(args.port),
+            "--port names one coordinator port; each island has its own (free ports are "
+            "chosen). Remove --port with --islands.",
+        ),
+    ):
+        if bad:
+            sys.stderr.write(f"distrain launch: error: {message}\n")
+            return 2
     if args.gpus_per_proc is not None:
         try:
             _visible_gpus(os.environ, args.nproc * args.gpus_per_proc)
@@ -677,7 +683,7 @@ def run(args: argparse.Namespace) -> int:
             raise _Terminated(signum)
 
         previous = signal.signal(signal.SIGTERM, on_term)
-    if args.islands is not None:
+    if islands:
         from distrain._src.islands.launch import run_islands
 
         try:

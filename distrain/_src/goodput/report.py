@@ -22,22 +22,12 @@ import json
 import os
 from typing import Any
 
-from distrain._src.goodput.ledger import BUCKETS, FILENAME
+from distrain._src.goodput.ledger import BUCKETS, FILENAME, PHASES
 
 #: The report's buckets, in the order of the table (productive step time first).
-REPORT_BUCKETS = (
-    "productive",
-    "startup",
-    "compile",
-    "input",
-    "checkpoint",
-    "evaluation",
-    "sync",
-    "other",
-    "lost",
-    "downtime",
-)
-_REDONE = ("step", "input", "checkpoint", "evaluation", "sync", "other")  # what a failure loses
+_CHARGED = tuple(b for b in BUCKETS if b != "step")  # the ledger's buckets, step time aside
+REPORT_BUCKETS = ("productive", *_CHARGED, "lost", "downtime")
+_REDONE = (*PHASES, "other")  # what a failure loses
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,7 +209,7 @@ def report(workdir: str | os.PathLike[str]) -> Report:
     failures, lost_steps = 0, []
     for i, a in enumerate(attempts):
         buckets["productive"] += a.buckets["step"]
-        for k in ("startup", "compile", "input", "checkpoint", "evaluation", "sync", "other"):
+        for k in _CHARGED:
             buckets[k] += a.buckets[k]
         nxt = attempts[i + 1] if i + 1 < len(attempts) else None
         if nxt is None:

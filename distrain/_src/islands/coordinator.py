@@ -3,7 +3,7 @@
 Each island is its own JAX world (its own processes); the coordinator holds what they
 share: the global parameters, the outer optimizer state, the round and the row ledger
 (``rows.py``), and it checkpoints them together after every applied round. It runs as
-a threaded Ray actor (``islands/ray.py``); the class itself is plain Python and NumPy
+a threaded Ray actor (``remote.py``); the class itself is plain Python and NumPy
 plus one jitted optax update on the CPU, so it also runs in-process.
 
 A round ``r`` (synchronous mode):
@@ -36,6 +36,7 @@ epoch entered exactly one applied round" can be counted from disk.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import shutil
@@ -43,13 +44,22 @@ import threading
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from distrain._src.islands.rows import RowLedger
 
 CHECKPOINTS_KEPT = 2
+
+
+class _Submission(NamedTuple):
+    """One island's submission to the open round."""
+
+    grads: list[np.ndarray] | None  # None with an empty lease
+    rows: int
+    metrics: dict[str, float]
+    time: float
 
 
 class RejoinRequired(RuntimeError):
@@ -156,7 +166,7 @@ class IslandCoordinator:
         coord = IslandCoordinator(config, leaves, treedef, optax.sgd(0.7), "runs/x")
         token, _ = coord.join(0, structure)
         r, params, finished = coord.wait_round(0, token, after=-1)
-        positions, epochs, rows = coord.lease(0, token, r)
+        positions, rows = coord.lease(0, token, r)
         coord.submit(0, token, r, pseudo_gradient)  # global minus the island's params
     """
 
@@ -170,23 +180,18 @@ class IslandCoordinator:
     ) -> None:
         import jax
         import jax.numpy as jnp
-        import optax
+
+        from distrain._src.islands.outer import outer_update
 
         self.config = config
         self.directory = os.path.abspath(directory)
         self.structure = structure_of(params, treedef)
-        self._tx = outer_optimizer
         self._cond = threading.Condition()
         self._params = [np.asarray(p) for p in params]
         opt_state = outer_optimizer.init([jnp.asarray(p) for p in self._params])
         self._opt_leaves, self._opt_def = jax.tree.flatten(opt_state)
         self._opt_leaves = [np.asarray(x) for x in self._opt_leaves]
-
-        def update(params: Any, opt_state: Any, grads: Any) -> tuple[Any, Any]:
-            updates, opt_state = outer_optimizer.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        self._update = jax.jit(update)
+        self._update = jax.jit(functools.partial(outer_update, outer_optimizer))
         self.round = 0
         self.ledger = RowLedger(config.num_rows, config.epochs, config.seed)
         # island -> token of its live incarnation; members of the open round; the
@@ -196,8 +201,7 @@ class IslandCoordinator:
         self._members: set[int] = set()
         self._next: set[int] = set()
         self._leased: set[int] = set()
-        self._submissions: dict[int, tuple[list[np.ndarray] | None, int, dict[str, float]]] = {}
-        self._submit_times: dict[int, float] = {}
+        self._submissions: dict[int, _Submission] = {}
         self._pulled: dict[int, int] = {}  # async: the version each island trains from
         self._island_steps: dict[int, int] = {}  # inner steps each island had applied
         self._opened = time.time()
@@ -261,8 +265,9 @@ class IslandCoordinator:
 
     def lease(
         self, island: int, token: str, round_: int, timeout: float = 2.0
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-        """Rows for ``island`` in round ``round_``: (positions, epochs, row indices).
+    ) -> tuple[np.ndarray, np.ndarray] | None:
+        """Rows for ``island`` in round ``round_``: (positions in the ledger's stream,
+        row indices into the dataset).
 
         Returns None if the round has not started within ``timeout`` seconds (call
         again); empty arrays once the stream of rows is used up.
@@ -288,8 +293,7 @@ class IslandCoordinator:
             self._assembling = False
             self._leased.add(island)
             positions = self.ledger.lease(island, self.config.lease_rows)
-            epochs, rows = self.ledger.rows(positions)
-            return positions, epochs, rows
+            return positions, self.ledger.rows(positions)[1]
 
     def submit(
         self,
@@ -323,9 +327,9 @@ class IslandCoordinator:
             if self.config.mode == "async":
                 return self._submit_async(island, pseudo_gradient, dict(metrics or {}))
             rows = self.ledger.submitted(island)
-            self._submissions[island] = (pseudo_gradient, rows, dict(metrics or {}))
-            self._submit_times[island] = time.time()
-            self._heartbeats[island] = time.time()
+            now = time.time()
+            self._submissions[island] = _Submission(pseudo_gradient, rows, dict(metrics or {}), now)
+            self._heartbeats[island] = now
             self._maybe_close()
             return True
 
@@ -432,41 +436,33 @@ class IslandCoordinator:
         ):
             self._apply()
 
-    def _apply(self, weighted: bool = True) -> None:
+    def _apply(self) -> None:
+        """Applies the submissions' mean pseudo-gradient, weighted by rows (an empty
+        lease weighs nothing), commits their rows and saves."""
         import jax
-        import jax.numpy as jnp
 
         now = time.time()
-        grads = [(g, n) for g, n, _ in self._submissions.values() if g is not None and n > 0]
-        if not weighted:  # async: the one pseudo-gradient as given
-            grads = [(g, 1) for g, _ in grads]
+        subs = self._submissions
+        grads = [(s.grads, s.rows) for s in subs.values() if s.grads is not None and s.rows]
         total = sum(n for _, n in grads)
-        if total:
-            mean = [
-                sum(np.asarray(g[k], np.float32) * (n / total) for g, n in grads)
-                for k in range(len(self._params))
-            ]
-            dtypes = [p.dtype for p in self._params]
-            params, opt = self._update(
-                [jnp.asarray(p) for p in self._params],
-                jax.tree.unflatten(self._opt_def, [jnp.asarray(x) for x in self._opt_leaves]),
-                [jnp.asarray(m, d) for m, d in zip(mean, dtypes, strict=True)],
-            )
+        if total:  # the pseudo-gradients are float32 or wider (outer.py's pseudo_gradient)
+            mean = [sum(g[k] * (n / total) for g, n in grads) for k in range(len(self._params))]
+            opt = jax.tree.unflatten(self._opt_def, self._opt_leaves)
+            params, opt = self._update(self._params, opt, mean)
             self._params = [np.asarray(p) for p in params]
             self._opt_leaves = [np.asarray(x) for x in jax.tree.leaves(opt)]
-        islands = sorted(self._submissions)
+        islands = sorted(subs)
         positions = self.ledger.commit(islands)
         for i in islands:
-            steps = -(-self._submissions[i][1] // self.config.batch_size)
+            steps = -(-subs[i].rows // self.config.batch_size)
             self._island_steps[i] = self._island_steps.get(i, 0) + steps
-        last_submit = max(self._submit_times.values(), default=now)
         record = {
             "round": self.round,
             "islands": islands,
-            "rows": {str(i): self._submissions[i][1] for i in islands},
-            "metrics": {str(i): self._submissions[i][2] for i in islands},
+            "rows": {str(i): subs[i].rows for i in islands},
+            "metrics": {str(i): subs[i].metrics for i in islands},
             "opened": self._opened,
-            "last_submit": last_submit,
+            "last_submit": max(s.time for s in subs.values()),
             "ready": now,  # every member submitted or was declared dead
         }
         self._save(positions)
@@ -478,7 +474,6 @@ class IslandCoordinator:
             self._next = set()
         self._leased -= set(islands)
         self._submissions.clear()
-        self._submit_times.clear()
         self._opened = time.time()
         self._cond.notify_all()
 
@@ -502,11 +497,11 @@ class IslandCoordinator:
             self._leased.discard(island)
             self._cond.notify_all()
             return True
-        share = rows / self.config.lease_rows
-        grads = [np.asarray(g, np.float32) * share for g in pseudo_gradient]
-        self._submissions = {island: (grads, rows, {**metrics, "staleness": staleness})}
-        self._submit_times = {island: time.time()}
-        self._apply(weighted=False)
+        # Alone in its "round": the weighted mean is its own, scaled by its share of a lease.
+        grads = [np.asarray(g) * (rows / self.config.lease_rows) for g in pseudo_gradient]
+        metrics = {**metrics, "staleness": staleness}
+        self._submissions = {island: _Submission(grads, rows, metrics, time.time())}
+        self._apply()
         return True
 
     def _watch(self) -> None:

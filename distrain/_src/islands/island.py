@@ -1,7 +1,7 @@
 """One fault-isolated island: its training loop against the run's `IslandCoordinator`.
 
-Every island runs :func:`train` in its own JAX world (one process, or several with
-their own ``jax.distributed``), usually started by ``distrain launch --islands N``. Per
+Every island runs :func:`train` in its own JAX world (one process, with any number of
+devices), usually started by ``distrain launch --islands N``. Per
 round it pulls the global parameters, leases rows, runs ``sync_every`` inner steps of
 the user's per-replica ``train_step`` with any synchronous strategy, and submits its
 pseudo-gradient (global minus its own parameters). A heartbeat thread keeps it alive in
@@ -45,16 +45,20 @@ class IslandsResult:
     Attributes:
       params: the final global parameters (NumPy leaves in the state's structure).
       island: this island's id.
-      rounds: the rounds this process trained and submitted.
-      history: one dict per such round: ``round``, ``rows``, ``loss`` (the mean of the
+      history: one dict per round this process trained and submitted: ``round``,
+        ``rows``, ``loss`` (the mean of the
         step metrics' ``"loss"``, if any), ``compute_s`` and ``applied`` (False: the
         asynchronous mode discarded it as too stale).
     """
 
     params: Any
     island: int
-    rounds: int
     history: list[dict[str, Any]]
+
+    @property
+    def rounds(self) -> int:
+        """The rounds this process trained and submitted."""
+        return len(self.history)
 
 
 def random_access(data: Any) -> tuple[int, Take]:
@@ -104,6 +108,11 @@ def random_access(data: Any) -> tuple[int, Take]:
         "or list of arrays, an array, a dt.data.ArrayPipeline, or a source with __len__ and "
         f"__getitem__ (grain's RandomAccessDataSource). Received: {type(data).__name__}."
     )
+
+
+def _delta(global_leaf: np.ndarray, local: np.ndarray) -> np.ndarray:
+    dtype = np.promote_types(global_leaf.dtype, np.float32)
+    return global_leaf.astype(dtype) - local.astype(dtype)
 
 
 def _round_loss(losses: list[Any]) -> float | None:
@@ -337,7 +346,7 @@ def train(
                 else:
                     placed = placed.replace(params=strategy.put_replicated(to_tree(global_leaves)))
                 with ledger.phase("sync"):
-                    _positions, _epochs, rows = coord.poll(
+                    _positions, rows = coord.poll(
                         "lease", island, token[-1], r, until=call_timeout + min_islands_timeout
                     )
                 t0 = time.time()
@@ -361,11 +370,8 @@ def train(
                     local = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(placed.params))]
                     loss = _round_loss(jax.device_get(losses))
                 compute = time.time() - t0
-                grads = (
-                    [
-                        g.astype(np.float32) - x.astype(np.float32)
-                        for g, x in zip(global_leaves, local, strict=True)
-                    ]
+                grads = (  # outer.pseudo_gradient's, on the host: float32 or wider
+                    [_delta(g, x) for g, x in zip(global_leaves, local, strict=True)]
                     if len(rows)
                     else None
                 )
@@ -403,7 +409,7 @@ def train(
         coord("leave", island, token[-1])
         ledger.finished()
         log("finished", rounds=len(history))
-        return IslandsResult(params=final, island=island, rounds=len(history), history=history)
+        return IslandsResult(params=final, island=island, history=history)
     finally:
         stop.set()
         goodput.set_current(None)

@@ -3,7 +3,8 @@
 Each island is a `distrain launch --nproc P` of its own (its own ``jax.distributed``
 coordinator port, its own restarts), run on a thread of the launcher; a failed island
 restarts alone while the others go on. The Ray head (``ray start --head --block``, on
-127.0.0.1, token authentication) runs in its own process group and is stopped with it.
+127.0.0.1, token authentication, its own temporary directory) runs in a session of its
+own, which is killed as a whole at the end.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def start_ray(port: int, num_cpus: int, temp_dir: str) -> subprocess.Popen:
         raise RuntimeError(
             f"the local Ray head did not listen on port {port} within {RAY_START_TIMEOUT_S:g} s."
         )
-    # `ray start` prints that the runtime started once the raylet is up too.
+    # Its output is read and dropped from now on, so that a full pipe never blocks it.
     threading.Thread(target=_drain, args=(proc,), daemon=True).start()
     return proc
 
@@ -131,16 +132,6 @@ def stop_ray(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5.0)
 
 
-def _kill_all(launchers: list[Any]) -> None:
-    for launcher in launchers:
-        for proc in list(launcher.procs):
-            if proc.poll() is None:
-                try:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-
-
 def run_islands(
     args: argparse.Namespace, command: list[str], launcher_cls: Any, free_port: Any
 ) -> int:
@@ -184,11 +175,11 @@ def run_islands(
             time.sleep(0.1)
     except BaseException:
         for launcher in launchers:
-            launcher.stopped = True  # no island restarts from now on
-        _kill_all(launchers)
+            launcher.stop()  # no island restarts from now on
         for t in threads:  # an attempt being started when the signal came ends here
             t.join(timeout=10)
-        _kill_all(launchers)
+        for launcher in launchers:
+            launcher.stop()
         raise
     finally:
         stop_ray(ray)

@@ -19,13 +19,13 @@ from distrain._src.islands.coordinator import IslandsFailed, RejoinRequired
 NAMESPACE = "distrain-islands"
 
 
-def import_ray(who: str = "Fault-isolated islands") -> Any:
+def import_ray() -> Any:
     try:
         import ray
     except ImportError as e:
         raise ImportError(
-            f"{who} need Ray (the islands and their coordinator talk through it). Install "
-            "the extra: `pip install 'distrain[ray]'`."
+            "Fault-isolated islands need Ray (the islands and their coordinator talk "
+            "through it). Install the extra: `pip install 'distrain[ray]'`."
         ) from e
     return ray
 
