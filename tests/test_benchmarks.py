@@ -374,7 +374,9 @@ def test_pipeline_script_reports_no_pipeline_all_reduce(tmp_path):
 
 def test_goodput_toy_resumes_from_the_local_tier(tmp_path):
     """benchmarks/goodput.py --toy --arms local: a real 2-process job, one SIGKILL, the
-    restart resumes from the local tier and the ledger accounts for the wall time."""
+    restart resumes from the local tier and the ledger accounts for the wall time. The
+    tier's restore is "peer" when the kill landed after the killed process sent its
+    shards to its peer but before its own copy was complete (both are the local tier)."""
     out = tmp_path / "goodput.json"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.goodput", "--toy", "--arms", "local",
@@ -383,7 +385,8 @@ def test_goodput_toy_resumes_from_the_local_tier(tmp_path):
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     r = json.loads(out.read_text())
-    assert r["failures"] == 1 and r["restore_s_by_tier"].keys() == {"local"}
+    assert r["failures"] == 1 and len(r["restore_s_by_tier"]) == 1
+    assert r["restore_s_by_tier"].keys() <= {"local", "peer"}
     assert 0 <= r["lost_steps_per_failure"][0] <= r["local_freq"]
     assert abs(r["buckets_sum_vs_measured"] - 1) < 0.15  # the launcher's own start and exit
     assert (tmp_path / "goodput.png").exists()
