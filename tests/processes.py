@@ -8,6 +8,13 @@ import subprocess
 import time
 
 
+def xla_flags(devices: int) -> str:
+    """``XLA_FLAGS`` for a process a test starts: ``devices`` CPU devices and the suite's
+    compile flags (``tests/conftest.py`` puts them in ``DISTRAIN_TEST_XLA_COMPILE_FLAGS``)."""
+    extra = os.environ.get("DISTRAIN_TEST_XLA_COMPILE_FLAGS", "")
+    return f"--xla_force_host_platform_device_count={devices} {extra}".strip()
+
+
 def run_together(jobs, timeout: float) -> list[tuple[int, str, float]]:
     """Starts ``(argv, env)`` jobs at once and waits for all of them.
 

@@ -14,6 +14,7 @@ from benchmarks import report
 from benchmarks.loops import make_bench
 from benchmarks.run import parse_args
 from benchmarks.workloads import WORKLOADS
+from tests.processes import xla_flags
 
 pytestmark = pytest.mark.one_end("lowest")  # see tests/conftest.py
 
@@ -290,7 +291,7 @@ def test_islands_toy_runs(tmp_path):
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.islands", "--toy", "--data", str(text),
          "--json", str(out)],
-        cwd=ROOT, env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        cwd=ROOT, env={**os.environ, "XLA_FLAGS": xla_flags(8)},
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -339,7 +340,7 @@ def test_experts_toy_runs(tmp_path):
     out = tmp_path / "experts.json"
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.experts", "--toy", "--json", str(out)],
-        cwd=ROOT, env={**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"},
+        cwd=ROOT, env={**os.environ, "XLA_FLAGS": xla_flags(8)},
         capture_output=True, text=True, timeout=240,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

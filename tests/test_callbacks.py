@@ -247,6 +247,7 @@ def test_model_checkpoint_best_only(strategy, tmp_path):
 
 
 @pytest.mark.parametrize("k", [1, 3])
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_backup_and_restore_resumes_exactly(strategy, tmp_path, k):
     """A run that crashes mid-epoch and is started again ends bit-identical to one that
     never crashed: same batches (data position restored), same parameters, same logs."""

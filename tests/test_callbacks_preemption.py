@@ -10,6 +10,7 @@ import textwrap
 import time
 
 import numpy as np
+import pytest
 
 from distrain.checkpoint import PREEMPTION_EXIT_CODE
 
@@ -86,6 +87,7 @@ def _run(script, backup, out, slow, sigterm_after_step=None, timeout=180):
             proc.wait()
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_sigterm_saves_exits_143_and_resumes_exactly(tmp_path, devices):
     script = tmp_path / "job.py"
     script.write_text(SCRIPT)

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import pytest
 
 from distrain.checkpoint import CheckpointManager
+from tests.processes import xla_flags
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = ROOT / "tests" / "scripts"
@@ -75,7 +76,7 @@ def _launch(tmp_path, script, timeout=150):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTRAIN_")}
     env.pop("TF_CONFIG", None)
     env.update(
-        XLA_FLAGS="--xla_force_host_platform_device_count=4",
+        XLA_FLAGS=xla_flags(4),
         JAX_PLATFORMS="cpu",
         PYTHONPATH=str(ROOT),
     )

@@ -10,6 +10,7 @@ import textwrap
 import pytest
 
 from distrain.cli import main
+from tests.processes import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
@@ -117,13 +118,14 @@ def _distrain_command() -> list[str]:
     return [sys.executable, "-m", "distrain.cli"]
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_console_script_runs_the_quickstart(tmp_path):
     """The installed `distrain` entry point, as a real process, prints the accuracy; import
     paths in the config resolve from the working directory (as with `python -m`) and from
     PYTHONPATH (here the checkout, for the example the quickstart names)."""
     env = {
         **os.environ,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": xla_flags(2),
         "PYTHONPATH": ROOT,
     }
     (tmp_path / "mydigits.py").write_text("from examples.classification import digits as splits\n")

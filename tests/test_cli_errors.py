@@ -11,6 +11,7 @@ import textwrap
 import pytest
 
 from distrain._src.cluster.launch import free_port
+from tests.processes import xla_flags
 
 pytestmark = pytest.mark.one_end("newest")  # see tests/conftest.py
 
@@ -21,7 +22,7 @@ CONFIGS = os.path.join(ROOT, "configs")
 def _run(args, tmp_path, devices=8, timeout=180, **extra):
     env = {
         **os.environ,
-        "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        "XLA_FLAGS": xla_flags(devices),
         "JAX_PLATFORMS": "cpu",
         "PYTHONPATH": ROOT,  # the shipped configs name examples.classification
         **extra,

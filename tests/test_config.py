@@ -205,6 +205,7 @@ def test_unknown_optimizer_suggests():
 
 
 @pytest.mark.parametrize("shape", [(3, 26, 26, 4), (2, 7, 9, 3)])
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_example_max_pool_matches_nnx_max_pool_values_and_gradients(shape):
     import jax.numpy as jnp
     from flax import nnx

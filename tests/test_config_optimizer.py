@@ -146,6 +146,7 @@ def test_a_config_with_a_schedule_round_trips():
 @pytest.mark.parametrize(
     "strategy, steps_per_execution, log_every", [("one_device", 1, 3), ("mirrored", 2, 4)]
 )
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_logged_learning_rate_is_the_schedule_at_the_logged_steps(
     devices, tmp_path, strategy, steps_per_execution, log_every
 ):
@@ -337,6 +338,7 @@ def test_the_recipe_config_is_nanogpts():
     }  # fmt: skip
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_the_recipe_trains_a_few_steps(devices, tmp_path):
     """The shipped config through examples/lm/curve.py (which is ``distrain train`` plus
     held-out evaluations), offline: a small text in place of TinyShakespeare, found in the

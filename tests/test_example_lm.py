@@ -258,6 +258,7 @@ def test_model_config_errors():
 
 
 @pytest.mark.parametrize("positions", ["rope", "learned"])
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_bf16_model_is_causal_and_returns_float32_logits(positions):
     cfg = dataclasses.replace(TINY, dtype="bfloat16", positions=positions)
     model = Transformer(cfg, rngs=nnx.Rngs(0))
@@ -390,6 +391,7 @@ def test_example_trains_on_eight_replicas(devices, splits, tmp_path):
     assert not (tmp_path / "work" / "backup").exists()  # finished: backups removed
 
 
+@pytest.mark.one_end("newest")  # a slow test: see tests/conftest.py
 def test_distrain_train_runs_the_tiny_config(devices):
     overrides = [
         "model.kwargs.seq_len=16", "model.kwargs.d_model=32", "model.kwargs.n_layers=2",

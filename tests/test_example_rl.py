@@ -126,6 +126,7 @@ def test_one_iteration_is_distributed(strategy):
     assert all(np.isfinite(float(v)) for v in metrics.values())
 
 
+@pytest.mark.one_end("newest")  # a slow test: see tests/conftest.py
 def test_train_runs_on_8_replicas(strategy):
     result = rl.train(TINY, strategy, eval_episodes=8)
     assert result.num_replicas == 8

@@ -47,6 +47,7 @@ def _assert_trees_equal(a, b):
 
 
 # ------------------------------------------------------------------------------ seed 000 CNN
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_seed_cnn_main_trains_on_8_replicas(tmp_path, devices):
     from examples.seed_cnn import main
 

@@ -236,6 +236,7 @@ def test_trainer_charges_steps_input_checkpoints_and_evaluation(tmp_path, device
     assert len(dt.goodput.report(tmp_path).attempts) == 1
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_goodput_command_prints_the_table_and_writes_json_and_png(tmp_path):
     _write(
         tmp_path,

@@ -182,7 +182,7 @@ def _two_processes(tmp_path, script_text, devices_per_process):
     import sys
 
     from distrain._src.cluster.launch import free_port
-    from tests.processes import run_together
+    from tests.processes import run_together, xla_flags
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     script = tmp_path / "script.py"
@@ -196,7 +196,7 @@ def _two_processes(tmp_path, script_text, devices_per_process):
             if not k.startswith(("DISTRAIN_", "SLURM_")) and k != "TF_CONFIG"
         }
         env.update(
-            XLA_FLAGS=f"--xla_force_host_platform_device_count={devices_per_process}",
+            XLA_FLAGS=xla_flags(devices_per_process),
             JAX_PLATFORMS="cpu",
             DISTRAIN_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
             DISTRAIN_NUM_PROCESSES="2",

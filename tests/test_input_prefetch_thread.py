@@ -249,6 +249,7 @@ print("done", flush=True)  # exits with the second pass's thread still reading
 """
 
 
+@pytest.mark.one_end("newest")  # a slow test: see tests/conftest.py
 def test_a_process_exits_cleanly_with_the_thread_still_reading():
     import os
     import subprocess

@@ -327,6 +327,7 @@ def test_train_checks_its_arguments_before_it_connects(tmp_path, monkeypatch):
         (["--islands", "2", "--port", "1234"], "each island has its own"),
     ],
 )
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_launcher_island_options_are_checked(argv, message, capsys):
     from distrain._src.cluster.launch import main
 

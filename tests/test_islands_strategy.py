@@ -95,6 +95,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_every_step_equals_the_reference_driver(devices, case):
     """2 islands of 8 devices: the global parameters, each island's parameters and inner
     optimizer state, and the counter after every step equal the reference driver's (the
@@ -397,6 +398,7 @@ def _eval_step(state, batch):
 
 
 @pytest.mark.parametrize("steps_per_execution", [1, 3])
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_trainer_fit_counts_every_batch_as_an_inner_step(devices, steps_per_execution):
     """Trainer.fit with fused dispatches runs one inner step per batch (the outer step
     after every H-th, inside the dispatch): the state after 12 batches equals 12
@@ -472,6 +474,7 @@ def test_quantized_outer_gradients_cross_islands_at_their_width(devices, outer_d
 # --- several processes ----------------------------------------------------------------
 
 
+@pytest.mark.one_end("newest")  # a slow test: see tests/conftest.py
 def test_one_island_per_process_trains_as_one_process(tmp_path):
     """2 processes x 2 devices on 127.0.0.1, one island each, against 1 process x 4
     devices: the same losses, global parameters and islands' parameters (each process
@@ -560,6 +563,7 @@ DILOCO = [
 ]
 
 
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 def test_a_config_names_islands_and_plan_counts_the_global_copy(devices):
     """strategy.name: diloco builds the strategy the config describes (DiLoCo's outer
     optimizer by default); distrain plan's state per device is mirrored's plus the
@@ -615,6 +619,7 @@ def test_an_unknown_outer_optimizer_names_its_config_field(devices):
 
 
 @pytest.mark.parametrize("policy", ["mixed_bfloat16", "mixed_float16"])
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_mixed_precision_inside_islands(devices, policy):
     """Under a mixed-precision policy the parameters stay float32 (the global copy and
     the islands'), the loss scale of mixed_float16 is island state (one per island, a

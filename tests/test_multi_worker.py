@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 from distrain._src.cluster.launch import free_port
-from tests.processes import run_together
+from tests.processes import run_together, xla_flags
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN = str(SCRIPTS / "mw_train.py")
@@ -29,7 +29,7 @@ def clean_env(devices: int, **extra: str) -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith(("DISTRAIN_", "SLURM_", "OMPI_", "PMIX_")) and k != "TF_CONFIG"
     }
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = xla_flags(devices)
     env["JAX_PLATFORMS"] = "cpu"
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra)
@@ -71,6 +71,7 @@ def reference(tmp_path_factory):
 
 
 @pytest.mark.parametrize("input_mode", ["global", "local"])
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_two_processes_match_one_process(tmp_path, reference, input_mode):
     results = cluster([TRAIN, "--out", str(tmp_path), "--input", input_mode], nproc=2, devices=2)
     for code, log, _ in results:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from distrain._src.cluster.launch import free_port
-from tests.processes import run_together
+from tests.processes import run_together, xla_flags
 
 SCRIPTS = Path(__file__).parent / "scripts"
 TRAIN = str(SCRIPTS / "mw_train.py")
@@ -31,7 +31,7 @@ def env_for(port, nproc, pid, devices=1, timeout_s=3):
         if not k.startswith(("DISTRAIN_", "SLURM_", "OMPI_", "PMIX_")) and k != "TF_CONFIG"
     }
     env.update(
-        XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}",
+        XLA_FLAGS=xla_flags(devices),
         JAX_PLATFORMS="cpu",
         PYTHONUNBUFFERED="1",
         DISTRAIN_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
@@ -50,6 +50,7 @@ def fault_time(log: str) -> float:
     return float(match.group(1))
 
 
+@pytest.mark.one_end("newest")  # a slow test: see tests/conftest.py
 def test_unreachable_coordinator_names_the_address():
     port = free_port()  # nobody listens there: process 0 never starts
     [(code, log, seconds)] = run_together(
@@ -82,6 +83,7 @@ def test_processes_with_different_device_counts_fail_clearly():
 
 
 @pytest.mark.parametrize("dying", [1, 0], ids=["worker-dies", "coordinator-dies"])
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_survivor_of_a_dead_peer_exits_within_the_timeout(tmp_path, dying):
     port = free_port()
     argv = [sys.executable, TRAIN, "--out", str(tmp_path), "--steps", "100000"]
@@ -114,6 +116,7 @@ def test_processes_that_disagree_on_the_number_of_processes_fail_clearly():
 
 
 @pytest.mark.parametrize("failing", [1, 0], ids=["worker-raises", "coordinator-raises"])
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_an_uncaught_error_ends_every_process_within_seconds_by_default(failing):
     # Default timeouts (no DISTRAIN_TIMEOUT_SECONDS). Before distrain's fail-fast exit both
     # processes stayed in JAX's shutdown barrier until its 300 s timeout.

@@ -14,13 +14,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.processes import xla_flags
+
 SCRIPT = str(Path(__file__).parent / "scripts" / "mw_trainer.py")
 
 
 def env_for(devices: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTRAIN_")}
     env.pop("TF_CONFIG", None)
-    env.update(XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu")
+    env.update(XLA_FLAGS=xla_flags(devices), JAX_PLATFORMS="cpu")
     return env
 
 

@@ -90,7 +90,7 @@ def assert_close(got, want, tol):
 # Every mask combination on a ring of 4; the ring of 8 (more blocks, each skipped or
 # not by the same rule) with every mask at once: the other combinations at 8 took ~40 s
 # of the suite on each jax and exercised no code that these miss.
-@pytest.mark.split_ends  # see tests/conftest.py
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 @pytest.mark.parametrize("implementation", ["ring", "all_gather"])
 @pytest.mark.parametrize(
     "context, causal, segments, balance",

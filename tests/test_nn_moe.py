@@ -91,6 +91,7 @@ def close(a, b, tol=1e-5):
 
 
 @pytest.mark.parametrize("gate, shared", [(False, False), (True, True)])
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_one_device_equals_the_per_token_loop(gate, shared):
     x, p = jnp.asarray(tokens()), make_params(gate=gate, shared=shared)
     want, dropped, chosen, w = reference(x, p)

@@ -60,6 +60,7 @@ def test_without_a_stage_axis_it_is_a_scan_over_the_layers():
         ({"stage": 4}, 2, 1, False),  # fewer microbatches than stages: outputs all-reduced
     ],
 )
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_values_and_gradients_equal_the_unpipelined_layers(
     devices, mesh, microbatches, repeats, remat
 ):
@@ -80,6 +81,7 @@ def test_values_and_gradients_equal_the_unpipelined_layers(
 
 
 @pytest.mark.parametrize("microbatches, all_reduces", [(8, 0), (4, 0), (2, 1), (6, 1)])
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_outputs_stay_split_over_the_stages_when_the_microbatches_divide(
     devices, microbatches, all_reduces
 ):

@@ -73,6 +73,7 @@ def test_plan_gives_the_allocated_state_bytes_and_a_verdict(devices):
         (["--devices", "6"], r"needs 8 devices per replica, which must divide"),
     ],
 )
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_bad_plans_are_one_error_line(args, match):
     out = plan(*TINY, *args)
     assert out.returncode == 2
@@ -102,6 +103,7 @@ def test_devices_that_do_not_fit_the_mesh_name_the_override():
     assert "--devices a multiple of 64" in line
 
 
+@pytest.mark.one_end("newest")  # a slow test: see tests/conftest.py
 def test_a_batch_that_does_not_split_and_a_peak_over_memory_are_said(devices):
     """lm_tiny as one replica over {fsdp: 8} with 4 rows: the rows cannot split over 8
     devices, so every device computes all 4; and 1 MiB cannot hold the step."""

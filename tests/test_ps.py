@@ -157,6 +157,7 @@ def reference_sgd(params, tx, batches, num_workers=None):
 
 
 @pytest.mark.parametrize("tx", [SGD, ADAM], ids=["sgd", "adam"])
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_max_staleness_zero_reproduces_synchronous_sgd(make, digits, devices, tx):
     params = init_mlp(1)
     batches = fixed_batches(digits[0], rounds=4, global_batch=4 * B)

@@ -12,6 +12,7 @@ import inspect
 import pathlib
 import pkgutil
 import re
+import shutil
 
 import pytest
 
@@ -134,14 +135,13 @@ def test_mypy_sees_lazy_names_with_their_types(tmp_path):
         "c: int = dt.experimental.ParameterServerStrategy\n"
         "d = dt.CheckpointManager\n"
     )
+    # With the project's mypy settings, and a copy of the cache `make check`'s mypy left
+    # (8 s instead of a minute of checking jax and distrain again).
+    cache = tmp_path / "mypy_cache"
+    if (ROOT / ".mypy_cache").is_dir():
+        shutil.copytree(ROOT / ".mypy_cache", cache)
     out, _, status = api.run(
-        [
-            str(probe),
-            "--follow-imports=silent",
-            "--ignore-missing-imports",
-            "--no-incremental",
-            "--cache-dir=/dev/null",
-        ]
+        [str(probe), f"--config-file={ROOT / 'pyproject.toml'}", f"--cache-dir={cache}"]
     )
     assert status == 1, out
     assert 'Incompatible types in assignment (expression has type "type[CheckpointManager]"' in out

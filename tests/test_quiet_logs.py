@@ -18,6 +18,7 @@ from distrain import callbacks as cb
 from distrain._src import verbosity
 from distrain.checkpoint import CheckpointManager
 from tests.linear_problem import new_state, problem, train_step
+from tests.processes import xla_flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
@@ -70,6 +71,7 @@ class Records(logging.Handler):
 
 
 @pytest.mark.parametrize("verbose", [False, True], ids=["default", "verbose"])
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_mlflow_store_creation_is_quiet_unless_verbose(devices, tmp_path, monkeypatch, verbose):
     for k, v in MLFLOW_ENV.items():
         monkeypatch.setenv(k, v)
@@ -98,7 +100,7 @@ def run_cli(tmp_path, *extra):
     env = {
         **os.environ,
         **MLFLOW_ENV,
-        "XLA_FLAGS": "--xla_force_host_platform_device_count=2",
+        "XLA_FLAGS": xla_flags(2),
         "PYTHONPATH": ROOT,
     }
     env.pop(verbosity.ENV, None)
@@ -158,6 +160,7 @@ print("sum", float(strategy.reduce("mean", ones, axis=None)), flush=True)
 
 
 @pytest.mark.parametrize("verbose", [False, True], ids=["default", "verbose"])
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_launch_drops_gloo_connection_lines_unless_verbose(capfd, monkeypatch, verbose):
     # gloo prints "[Gloo] Rank i is connected to n peer ranks..." from C++ to stdout in
     # every process, for every communicator, with no switch: the launcher drops it.

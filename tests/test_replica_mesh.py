@@ -15,7 +15,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import distrain as dt
-from tests.processes import run_together
+from tests.processes import run_together, xla_flags
 
 SCRIPT = str(Path(__file__).parent / "scripts" / "mw_mesh.py")
 MESH_42 = {"fsdp": 4, "tensor": 2}
@@ -74,6 +74,7 @@ TP = {"up/kernel": P("fsdp", "tensor"), "down/kernel": P("tensor", None)}
     ],
     ids=["fsdp4_tensor2", "2_replicas_fsdp2_tensor2", "fsdp8", "three_axes"],
 )
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_named_meshes_train_as_mirrored(devices, kwargs):
     """clip_by_global_norm + Adam with an activation constraint: the same parameters as
     8 mirrored replicas, and the state laid out as the rules say (moments too)."""
@@ -195,7 +196,7 @@ def _env():
 def _one_process(tmp_path, name, *args):
     out = tmp_path / name
     out.mkdir()
-    env = {**_env(), "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**_env(), "XLA_FLAGS": xla_flags(8)}
     cmd = [sys.executable, SCRIPT, "--out", str(out), "--backup", str(out / "backup"), *args]
     [(code, log, _)] = run_together([(cmd, env)], 150)
     assert code == 0, log

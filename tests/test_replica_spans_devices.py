@@ -81,6 +81,7 @@ def test_the_replica_axis_and_fsdp_layout(devices):
 
 
 @pytest.mark.parametrize("k", [2, 4, 8])
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_clip_by_global_norm_equals_mirrored(devices, k):
     """The clip (active here: the gradient norm is far above 0.05) sees the global
     norm although each device holds a slice of every gradient."""

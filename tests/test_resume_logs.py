@@ -28,6 +28,7 @@ from distrain import callbacks as cb
 from distrain._src.data.pipeline import ArrayPipeline
 from distrain._src.train.metrics import Mean
 from distrain._src.train.trainer import Trainer
+from tests.processes import xla_flags
 
 pytestmark = pytest.mark.one_end("newest")  # see tests/conftest.py
 
@@ -177,7 +178,7 @@ def _cli(tmp_path, *extra, epochs=20):
 
 
 def _start(cmd, cwd):
-    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=8"}
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8)}
     return subprocess.Popen(
         cmd,
         cwd=cwd,

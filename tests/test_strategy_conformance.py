@@ -186,6 +186,7 @@ def test_state_is_placed_where_the_strategy_keeps_it(name, devices):
 
 
 @pytest.mark.parametrize("name", STRATEGY_NAMES)
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_donation_frees_the_previous_state_but_not_the_callers_arrays(name, devices):
     strategy = STRATEGIES[name]()
     init = _init_state()  # JAX arrays on the default device, cpu:0, which most strategies use
@@ -209,6 +210,7 @@ def test_donation_frees_the_previous_state_but_not_the_callers_arrays(name, devi
 
 
 @pytest.mark.parametrize("name", STRATEGY_NAMES)
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_trainer_with_steps_per_execution_matches_one_device(name, devices):
     strategy = STRATEGIES[name]()
     steps = 4
@@ -250,6 +252,7 @@ def test_one_compilation_serves_many_calls(name, devices):
 
 
 @pytest.mark.parametrize("name", STRATEGY_NAMES)
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_checkpoint_round_trip(name, devices, tmp_path):
     strategy = STRATEGIES[name]()
     state = strategy.put_replicated(_init_state())

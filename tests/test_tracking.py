@@ -19,7 +19,7 @@ from distrain import Trainer
 from distrain import callbacks as cb
 from distrain.data import ArrayPipeline
 from tests.linear_problem import eval_step, new_state, problem, train_step
-from tests.processes import run_together
+from tests.processes import run_together, xla_flags
 from tests.wandb_records import metric, offline_runs
 
 pytestmark = pytest.mark.one_end("newest")  # see tests/conftest.py
@@ -241,7 +241,7 @@ def test_resume_in_process_continues_the_run_and_the_step_axis(strategy, tmp_pat
 
 def _env(devices: int) -> dict[str, str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTRAIN_")}
-    env.update(ENV, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+    env.update(ENV, XLA_FLAGS=xla_flags(devices))
     env.update(JAX_PLATFORMS="cpu")
     return env
 

@@ -35,6 +35,8 @@ import jax
 import pytest
 import yaml
 
+from tests.processes import xla_flags
+
 pytestmark = pytest.mark.one_end("lowest")  # see tests/conftest.py
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -399,7 +401,7 @@ def test_doc_shell_commands_run(block, command):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DISTRAIN_")}
     env["PATH"] = f"{os.path.dirname(sys.executable)}{os.pathsep}{env.get('PATH', '')}"
     env["JAX_PLATFORMS"] = "cpu"
-    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["XLA_FLAGS"] = xla_flags(8)
     out = subprocess.run(
         ["bash", "-c", command],
         cwd=ROOT,

@@ -30,7 +30,10 @@ def main() -> int:
     args = p.parse_args()
 
     os.environ["JAX_PLATFORMS"] = "cpu"
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    os.environ["XLA_FLAGS"] = (
+        "--xla_force_host_platform_device_count=4 "
+        + os.environ.get("DISTRAIN_TEST_XLA_COMPILE_FLAGS", "")  # tests/conftest.py
+    )
     import jax
 
     jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -5,7 +5,10 @@ for XLA's warnings (printed from C++)."""
 
 import os
 
-os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+os.environ["XLA_FLAGS"] = (
+    "--xla_force_host_platform_device_count=8 "
+    + os.environ.get("DISTRAIN_TEST_XLA_COMPILE_FLAGS", "")  # tests/conftest.py
+)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import jax  # noqa: E402
