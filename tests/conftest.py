@@ -80,6 +80,9 @@ def _end_of(item, variants: dict) -> str | None:
     """The end ``item`` runs on (None: both), from its one_end / split_ends marker."""
     one = item.get_closest_marker("one_end")
     split = item.get_closest_marker("split_ends")
+    named = {m.args for m in item.iter_markers("one_end")}
+    if len(named) > 1:
+        raise pytest.UsageError(f"{item.nodeid}: one_end names two ends: {sorted(named)}.")
     if one is not None and (len(one.args) != 1 or one.args[0] not in ENDS):
         raise pytest.UsageError(f"{item.nodeid}: one_end takes one of {ENDS}; got {one.args!r}.")
     if split is not None:

@@ -109,18 +109,28 @@ def test_split_ends_variants_alternate_between_the_ends():
     assert low == every[0::2] and new == every[1::2]
 
 
+SPLIT_MISUSED = "split_ends is for a parametrized test without one_end"
+
+
 @pytest.mark.parametrize(
-    "marks, case",
+    "marks, case, message",
     [
-        ("@pytest.mark.split_ends", "def test_single(): pass"),
+        ("@pytest.mark.split_ends", "def test_single(): pass", SPLIT_MISUSED),
         (
             '@pytest.mark.split_ends\n@pytest.mark.one_end("lowest")\n'
             '@pytest.mark.parametrize("x", [1, 2])',
             "def test_both(x): pass",
+            SPLIT_MISUSED,
+        ),
+        (
+            '@pytest.mark.one_end("lowest")\n@pytest.mark.one_end("newest")',
+            "def test_two_ends(): pass",
+            "one_end names two ends",
         ),
     ],
 )
-def test_split_ends_on_a_test_that_cannot_split_is_a_usage_error(tmp_path, marks, case):
+@pytest.mark.split_ends  # a slow test: see tests/conftest.py
+def test_a_marker_that_cannot_be_followed_is_a_usage_error(tmp_path, marks, case, message):
     shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
     (tmp_path / "pytest.ini").write_text(
         "[pytest]\nmarkers =\n  one_end(end): an end\n  split_ends: variants alternate\n"
@@ -136,7 +146,7 @@ def test_split_ends_on_a_test_that_cannot_split_is_a_usage_error(tmp_path, marks
         timeout=120,
     )
     assert done.returncode == 4, done.stdout[-2000:] + done.stderr[-2000:]
-    assert "split_ends is for a parametrized test without one_end" in done.stderr
+    assert message in done.stderr
 
 
 def test_an_unknown_end_is_a_usage_error():

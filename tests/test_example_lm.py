@@ -413,14 +413,17 @@ def test_distrain_train_runs_the_tiny_config(devices):
 
 @pytest.mark.one_end("newest")  # a slow test: see tests/conftest.py
 def test_gpt2_small_trains_with_fsdp_over_eight_devices(devices, splits):
-    """GPT-2 small's 124M parameters (seq 16 to keep CPU time low) as one replica over 8
-    devices: every large leaf is split 8 ways, the step fits in ~1/8 of the state per
-    device, and two steps train (the loss is finite and the parameters move)."""
+    """GPT-2 small's widths, vocabulary and heads (2 of its 12 blocks and seq 16 to keep
+    CPU time low; test_gpt2_small_config_has_gpt2_small_shapes checks the rest) as one
+    replica over 8 devices: every large leaf is split 8 ways, the step fits in ~1/8 of
+    the state per device, and two steps train (the loss is finite and the parameters
+    move)."""
     s = settings_from_config(
         str(ROOT / "configs/lm_gpt2_small.yaml"), ["strategy.devices_per_replica=8"]
     )
     assert s.devices_per_replica == 8
-    s = dataclasses.replace(s, model=dataclasses.replace(s.model, seq_len=16, dtype="float32"))
+    model = dataclasses.replace(s.model, seq_len=16, dtype="float32", n_layers=2)
+    s = dataclasses.replace(s, model=model)
     strategy = make_strategy(s)
     assert strategy.num_replicas_in_sync == 1 and strategy.devices_per_replica == 8
     apply_fn, state = init_state(s)

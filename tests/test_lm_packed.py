@@ -93,7 +93,6 @@ def _run(ckpt: Path, out: Path, kill_at: str | None = None) -> tuple[int, list[s
             proc.wait(timeout=30)
 
 
-@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 @pytest.mark.one_end("newest")  # a real process; see tests/conftest.py
 def test_sigkill_and_resume_gives_the_same_batches_and_parameters(tmp_path):
     code, ref = _run(tmp_path / "ref", tmp_path / "ref.npz")
