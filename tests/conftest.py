@@ -80,7 +80,8 @@ def _end_of(item, variants: dict) -> str | None:
     """The end ``item`` runs on (None: both), from its one_end / split_ends marker."""
     one = item.get_closest_marker("one_end")
     split = item.get_closest_marker("split_ends")
-    named = {m.args for m in item.iter_markers("one_end")}
+    # A test's own marker overrides its module's; two of its own contradict each other.
+    named = {m.args for m in item.own_markers if m.name == "one_end"}
     if len(named) > 1:
         raise pytest.UsageError(f"{item.nodeid}: one_end names two ends: {sorted(named)}.")
     if one is not None and (len(one.args) != 1 or one.args[0] not in ENDS):

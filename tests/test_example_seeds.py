@@ -110,7 +110,6 @@ def test_make_or_restore_continuation_equals_one_run(tmp_path, strategy):
     _assert_trees_equal(again.state.params, once.state.params)
 
 
-@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 @pytest.mark.one_end("newest")  # a real process; see tests/conftest.py
 def test_make_or_restore_survives_sigkill(tmp_path, strategy, capsys):
     """A real process is SIGKILLed mid-run; the same command finishes the run exactly."""
@@ -173,7 +172,6 @@ def test_make_or_restore_errors(tmp_path, devices):
 
 
 # ---------------------------------------------------------------------- seed 003 speed test
-@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
 @pytest.mark.one_end("newest")  # a real process; see tests/conftest.py
 def test_speed_test_prints_both_timings(capsys):
     from examples.speed_test import main
