@@ -85,3 +85,27 @@ def test_setting_steps_per_execution_after_construction_still_works(mirrored):
     assert every.sizes == [4, 4] and trainer.steps_per_execution == 4
     with pytest.raises(ValueError, match="`steps_per_execution` must be a positive int"):
         trainer.steps_per_execution = 0
+
+
+def test_the_step_is_traced_for_its_metrics_then_once_per_step_of_each_program(mirrored):
+    """The traces of the user's step, counted: one for the metrics' shapes (the metric
+    accumulator is an input of the compiled program, so its layout comes first), then
+    one per step that a compiled program holds (a k-step program is unrolled), and
+    none for a program already compiled. The first dispatch of a k-step fit is a single
+    step, so it compiles the one-step program too."""
+    traces = []
+
+    def counted(state, batch):
+        traces.append(batch["x"].shape)
+        return train_step(state, batch)
+
+    state, _ = dt.Trainer(mirrored, counted, steps_per_execution=1).fit(
+        new_state(), data(), steps=5
+    )
+    assert len(traces) == 2  # the metrics' shapes, the one-step program
+    dt.Trainer(mirrored, counted, steps_per_execution=1).fit(state, data(), steps=5)
+    assert len(traces) == 3  # a new fit's metrics' shapes; the program is compiled
+    traces.clear()
+    dt.Trainer(mirrored, counted, steps_per_execution=3).fit(state, data(), steps=7)
+    assert len(traces) == 4  # the metrics' shapes and the 3-step program
+    assert len(set(traces)) == 1  # every trace is of one replica's batch
