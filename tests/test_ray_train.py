@@ -60,9 +60,11 @@ def launched(tmp_path_factory):
     return results(out, 2)
 
 
-@pytest.mark.timeout(120)
+# Bounds, not timings: with the rest of the suite beside them these took 70 s (fit) and
+# 106 s (kill) on 2 cores, most of it Ray starting and its workers importing jax.
+@pytest.mark.timeout(240)
 def test_jax_trainer_fit_equals_distrain_launch(tmp_path, launched):
-    run([sys.executable, SCRIPT, "fit", "--out", str(tmp_path)], timeout=110)
+    run([sys.executable, SCRIPT, "fit", "--out", str(tmp_path)], timeout=230)
     for got, ref in zip(results(tmp_path, 2), launched, strict=True):
         assert int(got["nproc"]) == 2
         for name in (*PARAMS, "seen"):
@@ -70,9 +72,9 @@ def test_jax_trainer_fit_equals_distrain_launch(tmp_path, launched):
     assert (launched[0]["seen"] == 2).all()  # 2 epochs: every example twice
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_a_killed_worker_is_restarted_by_ray_and_resumes_bit_exact(tmp_path, launched):
-    log = run([sys.executable, SCRIPT, "kill", "--out", str(tmp_path)], timeout=110)
+    log = run([sys.executable, SCRIPT, "kill", "--out", str(tmp_path)], timeout=230)
     assert "killing myself" in log
     first, second = attempts(tmp_path)[:2], attempts(tmp_path)[2:]
     assert [a["restored"] for a in first] == [None, None]
