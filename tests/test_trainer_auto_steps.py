@@ -109,3 +109,19 @@ def test_the_step_is_traced_for_its_metrics_then_once_per_step_of_each_program(m
     dt.Trainer(mirrored, counted, steps_per_execution=3).fit(state, data(), steps=7)
     assert len(traces) == 4  # the metrics' shapes and the 3-step program
     assert len(set(traces)) == 1  # every trace is of one replica's batch
+
+
+def test_one_replica_over_several_devices_traces_each_program_twice(devices):
+    """The second trace drops the collectives over the one replica (XLA rejects an
+    all-reduce over a manual axis of size 1 beside auto axes): metrics' shapes, then
+    two traces of the one-step program."""
+    strategy = dt.MirroredStrategy(devices_per_replica=8, min_shard_bytes=0)
+    assert strategy.num_replicas_in_sync == 1
+    traces = []
+
+    def counted(state, batch):
+        traces.append(1)
+        return train_step(state, batch)
+
+    dt.Trainer(strategy, counted, steps_per_execution=1).fit(new_state(), data(), steps=3)
+    assert len(traces) == 3
