@@ -23,8 +23,8 @@ if "xla_force_host_platform_device_count" not in _flags:
     _flags = f"{_flags} --xla_force_host_platform_device_count=8"
 # XLA:CPU spends most of a test's compile in LLVM's optimisation passes, which the tests
 # do not need (a test compares values, never speed; buffer assignment, hence memory
-# analysis, happens before LLVM). Without them the suite runs about 20% faster (README,
-# "Test time"). DISTRAIN_TEST_XLA_FAST_COMPILE=0 keeps XLA's defaults. The processes a
+# analysis, happens before LLVM). Without them compile-heavy tests run 17-20% faster
+# (README, "Test time"). DISTRAIN_TEST_XLA_FAST_COMPILE=0 keeps XLA's defaults. The processes a
 # test starts inherit them: `tests.processes.xla_flags` adds them to a test's own flags.
 _compile = "--xla_backend_optimization_level=0 --xla_llvm_disable_expensive_passes=true"
 if os.environ.get("DISTRAIN_TEST_XLA_FAST_COMPILE") == "0":
@@ -83,7 +83,9 @@ def _end_of(item, variants: dict) -> str | None:
     # A test's own marker overrides its module's; two of its own contradict each other.
     named = {m.args for m in item.own_markers if m.name == "one_end"}
     if len(named) > 1:
-        raise pytest.UsageError(f"{item.nodeid}: one_end names two ends: {sorted(named)}.")
+        raise pytest.UsageError(
+            f"{item.nodeid}: one_end names two ends: {sorted(named)}; keep the one it runs on."
+        )
     if one is not None and (len(one.args) != 1 or one.args[0] not in ENDS):
         raise pytest.UsageError(f"{item.nodeid}: one_end takes one of {ENDS}; got {one.args!r}.")
     if split is not None:
