@@ -283,15 +283,11 @@ def test_a_joining_island_starts_from_the_global_params_and_a_fresh_optimizer():
     from distrain._src.islands.island import joined_state
 
     initial = dt.TrainState.create(params={"w": jnp.zeros(2)}, tx=optax.adam(0.1))
-    trained = initial
-    for _ in range(3):  # what a live island carries: moments and a count of 3
-        trained = trained.apply_gradients(grads={"w": jnp.ones(2)})
     state = joined_state(initial, {"w": np.full(2, 5.0, np.float32)}, step=40)
     assert int(state.step) == 40 and state.params["w"].tolist() == [5.0, 5.0]
     for got, want in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(initial.opt_state),
                          strict=True):  # fmt: skip
         np.testing.assert_array_equal(got, want)
-    assert int(trained.opt_state[0].count) == 3  # the state a rejoin does not keep
 
 
 def test_train_checks_its_arguments_before_it_connects(tmp_path, monkeypatch):
@@ -327,7 +323,6 @@ def test_train_checks_its_arguments_before_it_connects(tmp_path, monkeypatch):
         (["--islands", "2", "--port", "1234"], "each island has its own"),
     ],
 )
-@pytest.mark.split_ends  # a slow test: see tests/conftest.py
 def test_launcher_island_options_are_checked(argv, message, capsys):
     from distrain._src.cluster.launch import main
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -38,13 +39,9 @@ def actor_name(directory: str) -> str:
 def connect(address: str | None, islands: int) -> None:
     """Joins the Ray cluster of the run (``address``, else ``RAY_ADDRESS``); a single
     island may start a local one."""
-    try:
-        import ray
-
-        if ray.is_initialized():  # the caller's own ray.init()
-            return
-    except ImportError:
-        pass  # said below, after the arguments are checked
+    ray = sys.modules.get("ray")  # not imported: not initialized (or not installed)
+    if ray is not None and ray.is_initialized():  # the caller's own ray.init()
+        return
     address = address or os.environ.get("RAY_ADDRESS")
     if address is None and islands > 1:
         raise RuntimeError(
