@@ -391,3 +391,66 @@ def test_goodput_toy_resumes_from_the_local_tier(tmp_path):
     assert 0 <= r["lost_steps_per_failure"][0] <= r["local_freq"]
     assert abs(r["buckets_sum_vs_measured"] - 1) < 0.15  # the launcher's own start and exit
     assert (tmp_path / "goodput.png").exists()
+
+
+def _toy_run(module: str, args: list[str], out: Path, env: dict | None = None) -> dict:
+    """Runs ``python -m module *args`` from the repository root; returns its JSON."""
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args, "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_checkpoint_overhead_toy_runs(tmp_path):
+    """benchmarks/checkpoint_overhead.py, a few steps on 2 devices: both loops, one save
+    and one restore timed, and the JSON written where --json says (not results/)."""
+    env = {**os.environ, "XLA_FLAGS": xla_flags(2)}
+    args = ["--devices", "2", "--steps", "4", "--every", "2", "--repeats", "1", "--batch", "16"]
+    r = _toy_run("benchmarks.checkpoint_overhead", args, tmp_path / "ckpt.json", env)
+    assert r["setting"] == "dt.MirroredStrategy, 2 virtual CPU devices"
+    assert r["steps_per_s_no_ckpt"] > 0 and r["steps_per_s_async_ckpt"] > 0
+    assert r["save_until_committed_ms"] >= r["save_blocking_ms"] > 0 and r["restore_ms"] > 0
+    assert r["state_mb"] == pytest.approx(3 * 269322 * 4 / 2**20, abs=0.01)  # params, mu, nu
+
+
+def test_multi_process_toy_runs(tmp_path):
+    """benchmarks/multi_process.py, two steps: one process of 2 devices against two
+    processes of one under `distrain launch`, both with 2 replicas."""
+    env = {**os.environ, "XLA_FLAGS": os.environ["DISTRAIN_TEST_XLA_COMPILE_FLAGS"]}
+    args = ["--steps", "2", "--warmup", "1", "--repeats", "1", "--timeout", "120"]
+    r = _toy_run("benchmarks.multi_process", args, tmp_path / "mp.json", env)
+    one, two = r["results"]["1 process x 2 devices"], r["results"]["2 processes x 1 device"]
+    assert (one["processes"], one["replicas"], two["processes"], two["replicas"]) == (1, 2, 2, 2)
+    assert r["ratio_two_process_over_one_process"] > 0
+
+
+def test_parameter_server_toy_runs(tmp_path):
+    """benchmarks/parameter_server.py, a few steps on 2 devices: the callback round trips
+    and the five configurations' throughput."""
+    env = {**os.environ, "XLA_FLAGS": os.environ["DISTRAIN_TEST_XLA_COMPILE_FLAGS"]}
+    args = ["--devices", "2", "--steps", "4", "--repeats", "1", "--batch", "8"]
+    r = _toy_run("benchmarks.parameter_server", args, tmp_path / "ps.json", env)
+    assert r["setting"].startswith("2 virtual CPU devices")
+    assert set(r["throughput"]) == {
+        "mirrored", "ps_async", "ps_sync", "ps_one_worker", "jit_one_device"
+    }  # fmt: skip
+    assert all(row["examples_per_s"] > 0 for row in r["throughput"].values())
+    cb = r["callback"]
+    assert cb["plain_jit_us"] > 0 and cb["one_callback_us"] > 0 and cb["params_mb"] == 1.03
+
+
+def test_lm_benchmark_toy_runs(tmp_path):
+    """benchmarks/lm.py with a one-layer model, in this process (8 devices): the three
+    loops train the same model and the jax.jit floor is its own 1.0x."""
+    from benchmarks import lm
+
+    tiny = ["model.kwargs.n_layers=1", "model.kwargs.d_model=32", "model.kwargs.n_heads=2"]
+    tiny += ["model.kwargs.seq_len=16", "data.kwargs.seq_len=16", "data.global_batch_size=8"]
+    out = tmp_path / "lm.json"
+    r = lm.main([*tiny, "--steps", "4", "--repeats", "1", "--json", str(out)])
+    assert json.loads(out.read_text())["results"].keys() == set(lm.CONFIGS)
+    assert r["devices"] == 8 and r["results"]["jax_jit"]["vs_jax_jit"] == 1.0
+    assert all(row["tokens_per_sec"] > 0 for row in r["results"].values())
+    assert all(row["mfu"] is None for row in r["results"].values())  # no peak on CPU

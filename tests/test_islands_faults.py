@@ -331,6 +331,20 @@ def test_launcher_island_options_are_checked(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_each_cluster_has_its_own_token_unless_the_user_set_one(monkeypatch):
+    from distrain._src.islands.launch import _ray_env
+
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    first, second = _ray_env(), _ray_env()
+    assert first["RAY_AUTH_MODE"] == "token" and len(first["RAY_AUTH_TOKEN"]) == 64
+    assert first["RAY_AUTH_TOKEN"] != second["RAY_AUTH_TOKEN"]
+    for name in ("RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"):
+        with monkeypatch.context() as m:
+            m.setenv(name, "the user's")
+            assert "RAY_AUTH_TOKEN" not in _ray_env()
+
+
 # --------------------------------------------------------------------- real runs
 
 
@@ -351,7 +365,13 @@ def _run_with_kills(run, plan, extra=(), rows=2048, epochs=2):
         "--", sys.executable, str(SCRIPT), str(run), "--rows", str(rows), "--epochs", str(epochs),
         "--step-sleep", "0.03", "--death-timeout", "4", *extra,
     ]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    # A home without ~/.ray/auth_token, as on a fresh machine: the cluster's token is
+    # the launcher's own (the head refused to start when it relied on that file).
+    home = run.parent / "home"
+    home.mkdir(exist_ok=True)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HOME": str(home)}
+    env.pop("RAY_AUTH_TOKEN", None)
+    env.pop("RAY_AUTH_TOKEN_PATH", None)
     proc = subprocess.Popen(
         cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True,

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -28,9 +29,17 @@ RAY_START_TIMEOUT_S = 120.0
 
 
 def _ray_env() -> dict[str, str]:
-    # Loopback only (Ray would otherwise advertise the machine's public address), and
-    # token authentication: the head writes ~/.ray/auth_token, the islands read it.
-    return {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
+    """A new cluster's environment, for its head and its islands: loopback only (Ray
+    would otherwise advertise the machine's public address), and token authentication.
+
+    The token is the cluster's own, new and in the environment: ``ray start`` does not create
+    one, and ~/.ray/auth_token is absent on a fresh machine (the head then refused to
+    start). A token the user set (``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH``) wins.
+    """
+    env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
+    if not ({"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & os.environ.keys()):
+        env["RAY_AUTH_TOKEN"] = secrets.token_hex(32)
+    return env
 
 
 def _ray_binary() -> str:
@@ -44,9 +53,10 @@ def _ray_binary() -> str:
     return found
 
 
-def start_ray(port: int, num_cpus: int, temp_dir: str) -> subprocess.Popen:
-    """Starts a Ray head on 127.0.0.1:``port`` with its files in ``temp_dir``; returns
-    once it accepts connections."""
+def start_ray(port: int, num_cpus: int, temp_dir: str, env: dict[str, str]) -> subprocess.Popen:
+    """Starts a Ray head on 127.0.0.1:``port`` with its files in ``temp_dir`` and ``env``
+    (``_ray_env``) added to this process's environment; returns once it accepts
+    connections."""
     proc = subprocess.Popen(
         [
             _ray_binary(),
@@ -63,7 +73,7 @@ def start_ray(port: int, num_cpus: int, temp_dir: str) -> subprocess.Popen:
             # then joins (found by the suite: a Ray Train test attached to it).
             f"--temp-dir={temp_dir}",
         ],
-        env={**os.environ, **_ray_env()},
+        env={**os.environ, **env},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -143,7 +153,8 @@ def run_islands(
     port = free_port()
     sys.stderr.write(f"[launch] starting a local Ray cluster on 127.0.0.1:{port} for {n} islands\n")
     temp_dir = os.path.join(tempfile.gettempdir(), f"distrain-ray-{port}")
-    ray = start_ray(port, num_cpus=max(2, n + 1), temp_dir=temp_dir)
+    ray_env = _ray_env()
+    ray = start_ray(port, num_cpus=max(2, n + 1), temp_dir=temp_dir, env=ray_env)
     codes: dict[int, int] = {}
     launchers = []
     for k in range(n):
@@ -151,7 +162,7 @@ def run_islands(
         island_args.nproc = args.nproc_per_island
         island_args.port = 0
         env = {
-            **_ray_env(),
+            **ray_env,
             "RAY_ADDRESS": f"127.0.0.1:{port}",
             ENV_ISLAND: str(k),
             ENV_ISLANDS: str(n),
