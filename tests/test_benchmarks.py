@@ -3,6 +3,7 @@
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -454,3 +455,31 @@ def test_lm_benchmark_toy_runs(tmp_path):
     assert r["devices"] == 8 and r["results"]["jax_jit"]["vs_jax_jit"] == 1.0
     assert all(row["tokens_per_sec"] > 0 for row in r["results"].values())
     assert all(row["mfu"] is None for row in r["results"].values())  # no peak on CPU
+
+
+def test_xla_cpu_script_runs(tmp_path):
+    """benchmarks/xla_cpu.py, one timing each: both XLA settings, every model."""
+    r = _toy_run("benchmarks.xla_cpu", ["--repeats", "1"], tmp_path / "xla_cpu.json")
+    assert set(r["results"]) == {"stock XLA", "YNN fusions off"}
+    assert all(set(s["ms"]) == {"mlp", "cnn", "cnn_reduce_window"} for s in r["results"].values())
+    assert all(ms > 0 for s in r["results"].values() for ms in s["ms"].values())
+
+
+def test_every_result_file_the_docs_cite_is_committed():
+    """A figure in the docs names its result file; that file is in the repository (not
+    ignored, so a fresh clone has it), and every committed result is cited somewhere."""
+    texts = {p: p.read_text() for p in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]}
+    cited = {
+        name
+        for text in texts.values()
+        for name in re.findall(r"benchmarks/results/([\w.-]+\.(?:json|png))", text)
+    }
+    cited.discard("latest.json")  # what `make bench` writes, by design not committed
+    tracked = subprocess.run(
+        ["git", "ls-files", "benchmarks/results"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.split()
+    committed = {Path(p).name for p in tracked} - {".gitkeep"}
+    assert cited <= committed, f"cited but not committed: {sorted(cited - committed)}"
+    everything = "\n".join(texts.values())
+    uncited = sorted(name for name in committed if name not in everything)
+    assert not uncited, f"committed but cited by no doc: {uncited}"
