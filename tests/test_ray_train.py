@@ -60,29 +60,23 @@ def launched(tmp_path_factory):
     return results(out, 2)
 
 
-# Bounds, not timings: with the rest of the suite beside them these took 70 s (fit) and
-# 106 s (kill) on 2 cores, most of it Ray starting and its workers importing jax.
+# A bound, not a timing: with the rest of the suite beside it this took 106 s on 2 cores,
+# most of it Ray starting and its workers importing jax. It is also the plain fit's test
+# (a run without a fault was a test of its own, 52 s, that this one covers): its first
+# attempt trains as `fit` does, and its result must equal `distrain launch`'s.
 @pytest.mark.timeout(240)
-def test_jax_trainer_fit_equals_distrain_launch(tmp_path, launched):
-    run([sys.executable, SCRIPT, "fit", "--out", str(tmp_path)], timeout=230)
+def test_jax_trainer_equals_distrain_launch_through_a_killed_worker(tmp_path, launched):
+    log = run([sys.executable, SCRIPT, "kill", "--out", str(tmp_path)], timeout=230)
+    assert "killing myself" in log
+    first, second = attempts(tmp_path)[:2], attempts(tmp_path)[2:]
+    assert [(a["nproc"], a["restored"], a["first"]) for a in first] == [(2, None, 0)] * 2
+    # Worker 1 died after step 3, before its backup: both resume from step 2's.
+    assert [(a["nproc"], a["restored"], a["first"]) for a in second] == [(2, 2, 2)] * 2
     for got, ref in zip(results(tmp_path, 2), launched, strict=True):
         assert int(got["nproc"]) == 2
         for name in (*PARAMS, "seen"):
             np.testing.assert_array_equal(got[name], ref[name])
     assert (launched[0]["seen"] == 2).all()  # 2 epochs: every example twice
-
-
-@pytest.mark.timeout(240)
-def test_a_killed_worker_is_restarted_by_ray_and_resumes_bit_exact(tmp_path, launched):
-    log = run([sys.executable, SCRIPT, "kill", "--out", str(tmp_path)], timeout=230)
-    assert "killing myself" in log
-    first, second = attempts(tmp_path)[:2], attempts(tmp_path)[2:]
-    assert [a["restored"] for a in first] == [None, None]
-    # Worker 1 died after step 3, before its backup: both resume from step 2's.
-    assert [(a["nproc"], a["restored"], a["first"]) for a in second] == [(2, 2, 2)] * 2
-    for got, ref in zip(results(tmp_path, 2), launched, strict=True):
-        for name in (*PARAMS, "seen"):
-            np.testing.assert_array_equal(got[name], ref[name])
 
 
 # Bounds, not a timing: 111 s alone on 2 cores, and it timed out at 140 s with the rest
