@@ -53,13 +53,15 @@ test-newest:
 	fi
 
 # One environment's checks (CHECK_BIN: its bin/): lint, types, the suite on 8 virtual
-# CPU devices. mypy runs in both: jax's types differ between the range's ends.
+# CPU devices. mypy runs in both: jax's types differ between the range's ends. Each
+# environment keeps its own mypy cache (in it), so that neither end's run invalidates
+# the other's.
 CHECK_BIN ?= $(BIN)
 TEST_END  ?=
 check:
 	@$(CHECK_BIN)/python -c 'import sys, jax; print(f"== Python {sys.version.split()[0]}, jax {jax.__version__}")'
 	$(CHECK_BIN)/ruff check distrain tests examples benchmarks
-	$(CHECK_BIN)/mypy
+	$(CHECK_BIN)/mypy --cache-dir $(CHECK_BIN)/../.mypy_cache
 	DISTRAIN_TEST_END=$(TEST_END) $(CHECK_BIN)/python -m pytest $(PYTEST_ARGS)
 
 # The hardware extras (cuda12, cuda13, tpu) resolve against the index: a dry run each,

@@ -32,9 +32,10 @@ def _ray_env() -> dict[str, str]:
     """A new cluster's environment, for its head and its islands: loopback only (Ray
     would otherwise advertise the machine's public address), and token authentication.
 
-    The token is the cluster's own, new and in the environment: ``ray start`` does not create
-    one, and ~/.ray/auth_token is absent on a fresh machine (the head then refused to
-    start). A token the user set (``RAY_AUTH_TOKEN`` or ``RAY_AUTH_TOKEN_PATH``) wins.
+    The token is new, the cluster's own, and passed in the environment: ``ray start``
+    does not create one, and ~/.ray/auth_token is absent on a fresh machine (the head
+    then refused to start). A token the user set (``RAY_AUTH_TOKEN`` or
+    ``RAY_AUTH_TOKEN_PATH``) wins.
     """
     env = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "token"}
     if not ({"RAY_AUTH_TOKEN", "RAY_AUTH_TOKEN_PATH"} & os.environ.keys()):
