@@ -180,6 +180,17 @@ def test_cnn_pool_forms_train_the_same_maths():
             np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-7)
 
 
+def _run_script(module: str, args: list[str], out: Path, env: dict | None = None):
+    """Runs ``python -m module *args --json out`` from the repository root (4 minutes at
+    most); returns its JSON and what it printed."""
+    proc = subprocess.run(
+        [sys.executable, "-m", module, *args, "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+    )  # fmt: skip
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
+    return json.loads(out.read_text()), proc.stdout
+
+
 @pytest.mark.parametrize(
     "module, args, expect",
     [
@@ -195,32 +206,18 @@ def test_cnn_pool_forms_train_the_same_maths():
     ],
 )
 def test_scripts_run_and_write_json(tmp_path, module, args, expect):
-    out = tmp_path / "out.json"
     env = {**os.environ, "XLA_FLAGS": ""}
-    proc = subprocess.run(
-        [sys.executable, "-m", module, *args, "--json", str(out)],
-        cwd=ROOT,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert expect in proc.stdout
-    assert json.loads(out.read_text())["devices"] == 2
+    result, printed = _run_script(module, args, tmp_path / "out.json", env)
+    assert expect in printed
+    assert result["devices"] == 2
 
 
 def test_long_context_script_runs(tmp_path):
     """benchmarks/long_context.py at a small length: the ring equals jax's attention."""
-    out = tmp_path / "out.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.long_context", "--only", "equality",
-         "--equality-seq", "256", "--json", str(out)],
-        cwd=ROOT, env={**os.environ, "XLA_FLAGS": ""}, capture_output=True, text=True,
-        timeout=240,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    errors = json.loads(out.read_text())["equality"]
+    args = ["--only", "equality", "--equality-seq", "256"]
+    env = {**os.environ, "XLA_FLAGS": ""}
+    result, _ = _run_script("benchmarks.long_context", args, tmp_path / "out.json", env)
+    errors = result["equality"]
     assert set(errors) == {"forward", "grad_q", "grad_k", "grad_v"}
     assert max(errors.values()) < 1e-5
 
@@ -282,21 +279,21 @@ def test_nanogpt_cpu_torch_model_matches_distrain_model():
     assert last < first
 
 
+def _some_text(tmp_path: Path) -> Path:
+    """A text file for the islands' scripts: any text will do (the shared TinyShakespeare
+    may not be beside the checkout), so the docs, concatenated."""
+    text = tmp_path / "text.txt"
+    text.write_bytes(b"".join(p.read_bytes() for p in sorted((ROOT / "docs").glob("*.md"))))
+    return text
+
+
 def test_islands_toy_runs(tmp_path):
     """benchmarks/islands.py --toy: the compiled programs' collectives (none across
     islands in the inner step; the outer step's bytes per codec) and a short run of
     data parallelism and DiLoCo with the held-out loss."""
-    out, text = tmp_path / "islands.json", tmp_path / "text.txt"
-    # Any text will do (the shared TinyShakespeare may not be beside the checkout).
-    text.write_bytes(b"".join(p.read_bytes() for p in sorted((ROOT / "docs").glob("*.md"))))
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.islands", "--toy", "--data", str(text),
-         "--json", str(out)],
-        cwd=ROOT, env={**os.environ, "XLA_FLAGS": xla_flags(8)},
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8)}
+    args = ["--toy", "--data", str(_some_text(tmp_path))]
+    result, _ = _run_script("benchmarks.islands", args, tmp_path / "islands.json", env)
     assert result["inner_cross_island_collectives"] == {"float32": 0, "bfloat16": 0, "int4": 0}
     sync = result["bytes_per_sync"]
     assert sync["int4"] < sync["bfloat16"] <= sync["float32"]
@@ -309,17 +306,10 @@ def test_islands_faults_toy_runs(tmp_path):
     """benchmarks/islands_faults.py --toy: 2 fault-isolated islands under `distrain launch
     --islands`, island 1 SIGKILLed twice mid-round: every row committed once, both kills
     rejoined, and the held-out losses of the arms."""
-    out, text = tmp_path / "faults.json", tmp_path / "text.txt"
-    text.write_bytes(b"".join(p.read_bytes() for p in sorted((ROOT / "docs").glob("*.md"))))
-    proc = subprocess.run(
-        # One unkilled seed (the toy's default is two): each arm starts a Ray head and
-        # its islands, and the test stays under two minutes.
-        [sys.executable, "-m", "benchmarks.islands_faults", "--toy", "--seeds", "0",
-         "--data", str(text), "--json", str(out)],
-        cwd=ROOT, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    # One unkilled seed (the toy's default is two): each arm starts a Ray head and its
+    # islands, and the test stays under two minutes.
+    args = ["--toy", "--seeds", "0", "--data", str(_some_text(tmp_path))]
+    result, _ = _run_script("benchmarks.islands_faults", args, tmp_path / "faults.json")
     killed = next(a for a in result["arms"] if a["killed"])
     assert killed["exit"] == 0 and killed["rows_committed"] == killed["rows_total"] > 0
     assert (killed["rows_lost"], killed["rows_duplicated"]) == (0, 0)
@@ -338,14 +328,8 @@ def test_experts_toy_runs(tmp_path):
     """benchmarks/experts.py --toy: expert bytes per device at 1/X of one device, the MoE
     and dense LMs' tokens/s, and the expert load's variation by window with and without
     the load-balancing loss."""
-    out = tmp_path / "experts.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.experts", "--toy", "--json", str(out)],
-        cwd=ROOT, env={**os.environ, "XLA_FLAGS": xla_flags(8)},
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    result = json.loads(out.read_text())
+    env = {**os.environ, "XLA_FLAGS": xla_flags(8)}
+    result, printed = _run_script("benchmarks.experts", ["--toy"], tmp_path / "e.json", env)
     assert [r["expert_axis"] for r in result["memory"]] == [2, 4, 8]
     assert all(r["fraction"] == pytest.approx(r["target"], rel=0.05) for r in result["memory"])
     speed = result["speed"]
@@ -355,21 +339,15 @@ def test_experts_toy_runs(tmp_path):
     runs = result["balance"]["runs"]
     assert set(runs) == {"balance_loss_0.01", "balance_loss_0"}
     assert all(len(r["moe_load_cv_by_window"]) == 2 for r in runs.values())
-    assert "expert load CV" in proc.stdout
+    assert "expert load CV" in printed
 
 
 def test_pipeline_script_reports_no_pipeline_all_reduce(tmp_path):
     """benchmarks/pipeline.py at a small width: the pipelined steps all-reduce only the
     gradients (a quarter of mirrored's: the stacked parameters are split over 4 stages)."""
-    out = tmp_path / "pipeline.json"
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.pipeline", "--rounds", "1", "--steps", "1",
-         "--width", "64", "--json", str(out)],
-        cwd=ROOT, env={k: v for k, v in os.environ.items() if k != "XLA_FLAGS"},  # its 8 devices
-        capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    r = json.loads(out.read_text())
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # its 8 devices
+    args = ["--rounds", "1", "--steps", "1", "--width", "64"]
+    r, _ = _run_script("benchmarks.pipeline", args, tmp_path / "pipeline.json", env)
     assert r["stage4_M8"]["all_reduce_bytes"] < r["mirrored"]["all_reduce_bytes"] / 3
     assert r["stage4_M4"]["argument_bytes"] < r["mirrored"]["argument_bytes"]
 
@@ -394,22 +372,12 @@ def test_goodput_toy_resumes_from_the_local_tier(tmp_path):
     assert (tmp_path / "goodput.png").exists()
 
 
-def _toy_run(module: str, args: list[str], out: Path, env: dict | None = None) -> dict:
-    """Runs ``python -m module *args`` from the repository root; returns its JSON."""
-    proc = subprocess.run(
-        [sys.executable, "-m", module, *args, "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
-    )  # fmt: skip
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
-    return json.loads(out.read_text())
-
-
 def test_checkpoint_overhead_toy_runs(tmp_path):
     """benchmarks/checkpoint_overhead.py, a few steps on 2 devices: both loops, one save
     and one restore timed, and the JSON written where --json says (not results/)."""
     env = {**os.environ, "XLA_FLAGS": xla_flags(2)}
     args = ["--devices", "2", "--steps", "4", "--every", "2", "--repeats", "1", "--batch", "16"]
-    r = _toy_run("benchmarks.checkpoint_overhead", args, tmp_path / "ckpt.json", env)
+    r, _ = _run_script("benchmarks.checkpoint_overhead", args, tmp_path / "ckpt.json", env)
     assert r["setting"] == "dt.MirroredStrategy, 2 virtual CPU devices"
     assert r["steps_per_s_no_ckpt"] > 0 and r["steps_per_s_async_ckpt"] > 0
     assert r["save_until_committed_ms"] >= r["save_blocking_ms"] > 0 and r["restore_ms"] > 0
@@ -421,7 +389,7 @@ def test_multi_process_toy_runs(tmp_path):
     processes of one under `distrain launch`, both with 2 replicas."""
     env = {**os.environ, "XLA_FLAGS": os.environ["DISTRAIN_TEST_XLA_COMPILE_FLAGS"]}
     args = ["--steps", "2", "--warmup", "1", "--repeats", "1", "--timeout", "120"]
-    r = _toy_run("benchmarks.multi_process", args, tmp_path / "mp.json", env)
+    r, _ = _run_script("benchmarks.multi_process", args, tmp_path / "mp.json", env)
     one, two = r["results"]["1 process x 2 devices"], r["results"]["2 processes x 1 device"]
     assert (one["processes"], one["replicas"], two["processes"], two["replicas"]) == (1, 2, 2, 2)
     assert r["ratio_two_process_over_one_process"] > 0
@@ -432,7 +400,7 @@ def test_parameter_server_toy_runs(tmp_path):
     and the five configurations' throughput."""
     env = {**os.environ, "XLA_FLAGS": os.environ["DISTRAIN_TEST_XLA_COMPILE_FLAGS"]}
     args = ["--devices", "2", "--steps", "4", "--repeats", "1", "--batch", "8"]
-    r = _toy_run("benchmarks.parameter_server", args, tmp_path / "ps.json", env)
+    r, _ = _run_script("benchmarks.parameter_server", args, tmp_path / "ps.json", env)
     assert r["setting"].startswith("2 virtual CPU devices")
     assert set(r["throughput"]) == {
         "mirrored", "ps_async", "ps_sync", "ps_one_worker", "jit_one_device"
@@ -444,7 +412,7 @@ def test_parameter_server_toy_runs(tmp_path):
 
 def test_lm_benchmark_toy_runs(tmp_path):
     """benchmarks/lm.py with a one-layer model, in this process (8 devices): the three
-    loops train the same model and the jax.jit floor is its own 1.0x."""
+    loops run and are timed, and the jax.jit floor is its own 1.0x."""
     from benchmarks import lm
 
     tiny = ["model.kwargs.n_layers=1", "model.kwargs.d_model=32", "model.kwargs.n_heads=2"]
@@ -459,7 +427,7 @@ def test_lm_benchmark_toy_runs(tmp_path):
 
 def test_xla_cpu_script_runs(tmp_path):
     """benchmarks/xla_cpu.py, one timing each: both XLA settings, every model."""
-    r = _toy_run("benchmarks.xla_cpu", ["--repeats", "1"], tmp_path / "xla_cpu.json")
+    r, _ = _run_script("benchmarks.xla_cpu", ["--repeats", "1"], tmp_path / "xla_cpu.json")
     assert set(r["results"]) == {"stock XLA", "YNN fusions off"}
     assert all(set(s["ms"]) == {"mlp", "cnn", "cnn_reduce_window"} for s in r["results"].values())
     assert all(ms > 0 for s in r["results"].values() for ms in s["ms"].values())

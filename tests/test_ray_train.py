@@ -61,9 +61,8 @@ def launched(tmp_path_factory):
 
 
 # A bound, not a timing: with the rest of the suite beside it this took 106 s on 2 cores,
-# most of it Ray starting and its workers importing jax. It is also the plain fit's test
-# (a run without a fault was a test of its own, 52 s, that this one covers): its first
-# attempt trains as `fit` does, and its result must equal `distrain launch`'s.
+# most of it Ray starting and its workers importing jax. It is the fault-free fit's test
+# too: its first attempt is that fit, and the result must equal `distrain launch`'s.
 @pytest.mark.timeout(240)
 def test_jax_trainer_equals_distrain_launch_through_a_killed_worker(tmp_path, launched):
     log = run([sys.executable, SCRIPT, "kill", "--out", str(tmp_path)], timeout=230)
