@@ -76,7 +76,7 @@ def test_model_checkpoint_resumed_by_backup_keeps_the_trainer_step_numbering(str
         assert mgr.all_steps() == [5, 10, 15]
 
 
-def test_finished_backup_kept_on_disk_restores_instead_of_retraining(strategy, tmp_path):
+def test_finished_backup_kept_on_disk_restores_instead_of_retraining(strategy, tmp_path, capsys):
     def fit(epochs):
         trainer = Trainer(strategy, train_step)
         backup = cb.BackupAndRestore(tmp_path / "bk", save_freq=3, delete_checkpoint=False)
@@ -86,12 +86,36 @@ def test_finished_backup_kept_on_disk_restores_instead_of_retraining(strategy, t
     _, first, _ = fit(2)  # 10 steps; the last periodic backup is step 9
     with CheckpointManager(tmp_path / "bk") as mgr:
         assert mgr.latest_step() == 10  # the finished state is backed up too
+    capsys.readouterr()
     trainer, again, history = fit(2)
     assert trainer.loop.initial_step == 10 and history.epoch == [0, 1]  # nothing retrained
+    assert capsys.readouterr().out == (
+        f"BackupAndRestore: training had finished: the backup of step 10 in {tmp_path / 'bk'} "
+        "is its final state, so nothing is left to train\n"
+    )
     for a, b in zip(_leaves(first), _leaves(again), strict=True):
         np.testing.assert_array_equal(a, b)
     trainer, more, _ = fit(3)  # more epochs continue from the finished state
     assert trainer.loop.initial_step == 10 and int(more.step) == 15
+
+
+def test_delete_backups_after_fit_and_not_during_it(strategy, tmp_path):
+    """What distrain train does after its final evaluation (delete_checkpoint=False)."""
+    backup = cb.BackupAndRestore(tmp_path / "bk", save_freq=3, delete_checkpoint=False)
+    too_early = cb.LambdaCallback(on_train_batch_end=lambda info: backup.delete_backups())
+    with pytest.raises(
+        RuntimeError,
+        match=r"delete_backups\(\) deletes the backups once fit has returned, but it was "
+        r"called during fit .*Call it after fit, on every process",
+    ):
+        Trainer(strategy, train_step).fit(
+            new_state(), pipeline(), epochs=1, callbacks=[backup, too_early]
+        )
+    Trainer(strategy, train_step).fit(new_state(), pipeline(), epochs=1, callbacks=[backup])
+    with CheckpointManager(tmp_path / "bk") as mgr:
+        assert mgr.all_steps() == [3, 5]  # kept at the end of fit
+    backup.delete_backups()
+    assert not (tmp_path / "bk").exists()
 
 
 def test_nan_at_the_end_keeps_the_last_good_backup(strategy, tmp_path):

@@ -203,6 +203,30 @@ def test_tinyshakespeare_unreachable_says_where_to_put_the_file(tmp_path):
         lm_data.load_tinyshakespeare(cache_dir=tmp_path, url=url, heldout_fraction=0)
 
 
+def test_the_config_error_offline_lists_the_keys_a_config_can_set(tmp_path):
+    """Issue 51: offline, `distrain train --config configs/shakespeare_char.yaml` listed
+    `data.kwargs.kwargs` as a settable key (it fails) and not `data.kwargs.url` (which
+    works). A data function's own **kwargs is never listed."""
+    from distrain._src.train.run import _load_data
+
+    url = f"http://127.0.0.1:{free_port()}/input.txt"  # nothing listens there
+    cfg = load_config(
+        str(ROOT / "configs" / "shakespeare_char.yaml"),
+        [f"data.kwargs.cache_dir={tmp_path}", f"data.kwargs.url={url}", "data.kwargs.timeout=5"],
+    )
+    with pytest.raises(dt.config.ConfigError) as offline:
+        _load_data(cfg, lm_data.tinyshakespeare_splits)
+    text = str(offline.value)
+    assert "data.kwargs.seq_len, data.kwargs.whole_test, data.kwargs.cache_dir, " in text
+    assert "data.kwargs.url, data.kwargs.sha256, " in text and "kwargs.kwargs" not in text
+
+    def wrapper(seq_len: int = 8, **kwargs: object) -> None:
+        raise OSError("offline")
+
+    with pytest.raises(dt.config.ConfigError, match=r"are set as data.kwargs.seq_len;"):
+        _load_data(cfg, wrapper)
+
+
 def test_tinyshakespeare_known_checksum():
     assert lm_data.TINYSHAKESPEARE_SHA256 == (
         "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
@@ -389,6 +413,35 @@ def test_example_trains_on_eight_replicas(devices, splits, tmp_path):
     assert (tmp_path / "out" / "learning_curve.png").stat().st_size > 1000
     assert list((tmp_path / "work" / "checkpoints").iterdir())  # ModelCheckpoint kept one
     assert not (tmp_path / "work" / "backup").exists()  # finished: backups removed
+
+
+def test_a_short_run_counts_its_own_steps_on_one_replica(devices, splits, capfd):
+    """Issue 51: `python -m examples.lm.main ... --steps 20` printed `20/50 steps` (one
+    evaluation every 50 steps, the bar counting to it) and `1 replicas`."""
+    s = dataclasses.replace(SETTINGS, steps=2, devices=1, prompts=())
+    lines = []
+    result = train_and_evaluate(s, splits=splits, log=lines.append)
+    assert result["curve"]["step"] == [2] and result["replicas"] == 1
+    assert "epoch 1/1: 2/2 steps" in capfd.readouterr().err
+    assert any("; 1 replica on " in line for line in lines), lines
+
+
+def test_the_curve_command_writes_under_runs_unless_told_otherwise():
+    """Issue 51: docs/lm.md's curve command wrote into docs/, over the committed figure."""
+    from examples.lm.curve import parser
+
+    assert parser().parse_args([]).out == "runs/shakespeare_char"
+    doc = (ROOT / "docs" / "lm.md").read_text()
+    commands = [line for line in doc.splitlines() if line.startswith("python -m examples.lm.curve")]
+    assert commands and not any("docs/" in c for c in commands), commands
+    assert "add\n`--out docs/shakespeare_char` to regenerate the committed figure" in doc
+
+
+def test_shakespeare_samples_start_from_a_plays_speakers():
+    """Issue 51: TinyShakespeare's samples were prompted with Python (`def`, `import`)."""
+    recipe = settings_from_config(str(ROOT / "configs" / "shakespeare_char.yaml"))
+    assert recipe.prompts == ("First Citizen:\n", "ROMEO:\n", "JULIET:\n")
+    assert settings_from_config(str(ROOT / "configs" / "lm_tiny.yaml")).prompts[0] == "def "
 
 
 @pytest.mark.one_end("newest")  # a slow test: see tests/conftest.py

@@ -135,8 +135,8 @@ def test_out_of_restarts_returns_the_last_status_and_signals_as_128_plus(capfd):
     code = "import os, signal; os.kill(os.getpid(), signal.SIGKILL)"
     assert launch.main(["--nproc", "1", "--max-restarts", "1"] + py(code)) == 128 + 9
     err = capfd.readouterr().err
-    assert "[launch] process 0 was killed by SIGKILL" in err
-    assert err.count("starting 1 processes") == 2
+    assert "[launch] process 0 was killed by SIGKILL\n" in err  # nothing else to stop
+    assert err.count("starting 1 process (") == 2  # issue 51: "1 processes"
 
 
 @pytest.mark.parametrize(
@@ -556,3 +556,62 @@ def test_gpus_per_proc_errors(capfd, monkeypatch):
     assert "--devices-per-proc (virtual CPU devices) and --gpus-per-proc" in capfd.readouterr().err
     with pytest.raises(SystemExit):
         launch.main(["--nproc", "1", "--gpus-per-proc", "0", "--", "x"])
+
+
+# An island's process: says it started (its pid in DIR/<attempt>), exits 143 on SIGTERM
+# after writing DIR/terminated, or fails at once with status 9 on its first attempt.
+ISLAND = (
+    "import os, signal, sys, time\n"
+    "d = {dir!r}\n"
+    "def on_term(*a):\n"
+    "    open(os.path.join(d, 'terminated'), 'w').close(); sys.exit(143)\n"
+    "signal.signal(signal.SIGTERM, on_term)\n"
+    "attempt = os.environ['DISTRAIN_RESTART_COUNT']\n"
+    "open(os.path.join(d, attempt), 'w').write(str(os.getpid()))\n"
+    "if attempt == '0' and {fail}: sys.exit(9)\n"
+    "while True: time.sleep(0.05)"
+)
+
+
+def _island_launcher(argv: list[str]) -> launch._Launcher:
+    """One island's launcher, as `distrain launch --islands` makes it."""
+    parser = launch.argparse.ArgumentParser()
+    launch.add_arguments(parser)
+    args = parser.parse_args(argv)
+    args.nproc = args.nproc_per_island
+    return launch._Launcher(args, args.command[1:], name="island 1 ")
+
+
+def test_a_stopped_island_ends_on_sigterm_and_is_not_reported_as_killed(tmp_path, capfd):
+    """Issue 51: after Ctrl-C, `distrain launch --islands` printed `island 0 process 0
+    was killed by SIGKILL; stopping the other processes`: the SIGKILL was its own. A
+    stopped island's attempt now ends with SIGTERM (SIGKILL only after --grace-period),
+    reports no failure and restarts nothing. A failure of a one-process island says
+    that the other islands go on, not that "the other processes" stop; each attempt
+    prints its process ids (to kill one by hand)."""
+    code = ISLAND.format(dir=str(tmp_path), fail=True)
+    launcher = _island_launcher(
+        ["--islands", "2", "--max-restarts", "3", "--grace-period", "60"] + py(code)
+    )
+    codes = []
+    thread = launch.threading.Thread(target=lambda: codes.append(launcher.run()), daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "1").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    time.sleep(0.2)  # the second attempt's SIGTERM handler is installed
+    start = time.monotonic()
+    launcher.stop()
+    thread.join(timeout=30)
+    assert not thread.is_alive() and codes == [130]
+    assert time.monotonic() - start < 10  # SIGTERM ended it, not the 60 s SIGKILL
+    assert (tmp_path / "terminated").exists()
+    err = capfd.readouterr().err
+    pids = [(tmp_path / a).read_text() for a in ("0", "1")]
+    assert f"[launch] island 1 process 0 is pid {pids[0]}" in err
+    assert f"[launch] island 1 process 0 is pid {pids[1]}" in err
+    assert "[launch] island 1 starting 1 process (attempt 1 of 4)" in err
+    assert "[launch] island 1 process 0 exited with status 9; the other islands go on" in err
+    assert "[launch] island 1 restarting its processes (1 of 3)" in err
+    assert "killed by" not in err and "other processes" not in err, err
+    assert "restarting its processes (2 of 3)" not in err and "finished" not in err

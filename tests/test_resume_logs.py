@@ -27,6 +27,7 @@ import distrain as dt
 from distrain import callbacks as cb
 from distrain._src.data.pipeline import ArrayPipeline
 from distrain._src.train.metrics import Mean
+from distrain._src.train.run import _interrupted
 from distrain._src.train.trainer import Trainer
 from tests.processes import xla_flags
 
@@ -300,7 +301,8 @@ def test_cli_sigkill_and_rerun_keep_every_log_line_once(tmp_path, tier):
 
 
 def test_cli_interruptions_are_one_line_saying_what_was_saved(tmp_path):
-    """Ctrl-C with and without backups and a SIGTERM, three real runs side by side."""
+    """Ctrl-C with backups, Ctrl-C with checkpoint.dir but no backups (issue 51, 5) and a
+    SIGTERM, three real runs side by side."""
     dirs = [tmp_path / name for name in ("int", "int_nobackup", "term")]
     backup = [d / "backup" for d in dirs]
     procs = [
@@ -313,7 +315,15 @@ def test_cli_interruptions_are_one_line_saying_what_was_saved(tmp_path):
             ),
             ROOT,
         ),
-        _start(_cli(dirs[1], epochs=1000), ROOT),
+        _start(
+            _cli(
+                dirs[1],
+                f"checkpoint.dir={dirs[1] / 'ckpt'}",
+                "checkpoint.save_freq=10",
+                epochs=1000,
+            ),
+            ROOT,
+        ),
         _start(
             _cli(
                 dirs[2],
@@ -346,10 +356,35 @@ def test_cli_interruptions_are_one_line_saying_what_was_saved(tmp_path):
     assert len(line) == 1 and "Traceback" not in err_int, err_int[-3000:]
     assert "interrupted at step" in line[0] and "the newest backup is step 50 in" in line[0]
     assert "run the same command to continue" in line[0]
+    # checkpoint.dir holds checkpoints, which the command does not resume from: it says so.
     assert procs[1].returncode == 130 and "Traceback" not in err_nob, err_nob[-3000:]
-    assert "nothing was saved (no checkpoint.backup_dir)" in err_nob
+    kept = max(int(s) for s in os.listdir(dirs[1] / "ckpt") if s.isdigit())
+    line = [s for s in err_nob.splitlines() if s.startswith("distrain train:")]
+    assert len(line) == 1 and kept >= 10, err_nob[-3000:]
+    assert line[0].endswith(
+        "; running the command again starts over: it resumes only from "
+        "checkpoint.backup_dir, which is not set. checkpoint.dir keeps the checkpoint of "
+        f"step {kept} in {dirs[1] / 'ckpt'} (for later use: "
+        "dt.checkpoint.CheckpointManager(dir).restore(target=state)); set "
+        "checkpoint.backup_dir to make a run resumable"
+    )
     # SIGTERM: saved where it stopped, exit 143, one line saying so.
     assert procs[2].returncode == 143, err_term[-3000:]
     saved = sorted(int(s) for s in os.listdir(backup[2]) if s.isdigit())
     assert f"stopped by SIGTERM after step {saved[-1]}, saved in {backup[2]}" in out_term
     assert "run the same command to continue" in out_term
+
+
+def test_interruptions_without_backups_say_nothing_can_be_resumed(tmp_path, devices):
+    """The lines of a Ctrl-C without checkpoint.backup_dir, before any checkpoint.dir save
+    (a real one after saves: the CLI test above)."""
+    assert _interrupted(Trainer(dt.MirroredStrategy(), train_step)) == (
+        "interrupted at step 0; nothing was saved (no checkpoint.backup_dir), so running "
+        "the command again starts over"
+    )
+    keep = Trainer(dt.MirroredStrategy(), train_step, callbacks=[cb.ModelCheckpoint(tmp_path)])
+    assert _interrupted(keep, evaluating=True) == (
+        "interrupted in the final evaluation (training had finished at step 0); nothing was "
+        "saved (no checkpoint.backup_dir, and no checkpoint in checkpoint.dir yet), so "
+        "running the command again retrains from step 0"
+    )

@@ -367,3 +367,46 @@ def test_the_tpu_module_probes_are_what_the_strategy_calls():
 
     source = inspect.getsource(tpu_strategy.TPUStrategy.__init__)
     assert "tpu_system.check_tpu_available(" in source and "tpu_system.tpu_devices()" in source
+
+
+# ------------------------------------------------------------------- in a config, by the CLI
+QUICKSTART = os.path.join(ROOT, "configs", "quickstart.yaml")
+
+
+def test_a_config_trains_on_the_tpu_strategy(chips):
+    """Issue 51: the README lists TPUStrategy first, and `strategy.name=tpu` was refused.
+    A config trains on it (the 8 CPU devices as the slice's chips) through run_config,
+    and the config's layout fields reach it."""
+    from distrain._src.train.run import build_strategy, run_config
+
+    cfg = dt.config.load_config(
+        QUICKSTART, ["strategy.name=tpu", "train.epochs=null", "train.steps=3"]
+    )
+    result = run_config(cfg, progress_bar=False, print_fn=None)
+    assert int(result.state.step) == 3 and np.isfinite(result.test_metrics["loss"])
+    assert isinstance(result.state.params, dict)
+    tpu = build_strategy(
+        dt.config.load_config(
+            QUICKSTART, ["strategy.name=tpu", "strategy.devices_per_replica={fsdp: 2}"]
+        ).strategy
+    )
+    assert isinstance(tpu, dt.TPUStrategy) and tpu.inner_axes == {"fsdp": 2}
+
+
+def test_the_tpu_strategy_in_a_config_without_tpus_is_one_config_error(devices):
+    from distrain._src.train.run import build_strategy
+
+    cfg = dt.config.load_config(QUICKSTART, ["strategy.name=tpu"])
+    with pytest.raises(
+        dt.config.ConfigError,
+        match=r"^strategy.name=tpu \(dt.TPUStrategy\) needs TPU devices, and this process has "
+        r"none: .* In a config: strategy.name=mirrored \(this machine's devices\) or "
+        r"multi_worker_mirrored \(several machines\).$",
+    ):
+        build_strategy(cfg.strategy)
+    with pytest.raises(
+        dt.config.ConfigError,
+        match=r"strategy.devices does not apply to strategy.name=tpu \(it takes every chip of "
+        r"the slice\). Received: strategy.devices=\['cpu:0'\]",
+    ):
+        dt.config.load_config(QUICKSTART, ["strategy.name=tpu", "strategy.devices=[cpu:0]"])

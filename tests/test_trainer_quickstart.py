@@ -38,6 +38,11 @@ def test_quickstart_end_to_end_few_steps(tmp_path, capsys, devices):
     events = [json.loads(ln) for ln in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [e["epoch"] for e in events if e["event"] == "epoch"] == [0, 1]
     assert sorted(int(s) for s in os.listdir(tmp_path / "ckpt") if s.isdigit()) == [22, 44]
+    # The run finishes after its final evaluation, whose time is evaluation (issue 51, 2).
+    ledger = [json.loads(ln) for ln in (tmp_path / "goodput.jsonl").read_text().splitlines()]
+    ends = {r["event"]: r["buckets"] for r in ledger if r["event"] in ("train_end", "fit_end")}
+    assert [r["event"] for r in ledger if r["event"] in ends] == ["train_end", "fit_end"]
+    assert ends["fit_end"]["evaluation"] > ends["train_end"]["evaluation"]
 
 
 def test_quickstart_sharded_mixed_precision_accumulated(devices):

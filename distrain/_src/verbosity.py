@@ -9,6 +9,9 @@ drives also log, at INFO, things a user does not act on:
   worker's log, a script that called ``logging.basicConfig(level=logging.INFO)``.
 * **MLflow** installs its own INFO handler and, on a new SQL store, says so
   ("Creating initial MLflow database tables...", "Updating database tables").
+* **Ray**'s ``ray.init`` says where it connects ("Connecting to existing Ray cluster at
+  address: ...", "Connected to Ray cluster."), in every island and parameter-server
+  driver, at each attempt.
 
 Filters on those loggers drop their records below WARNING; warnings and errors always
 pass. ``DISTRAIN_VERBOSE=1`` (what ``distrain train --verbose`` sets, for its own
@@ -77,3 +80,9 @@ def quiet_orbax() -> None:
 def quiet_mlflow() -> None:
     """MLflow's INFO lines about creating and migrating a SQL store off. Idempotent."""
     _install(logging.getLogger("mlflow.store.db.utils"))
+
+
+def quiet_ray() -> None:
+    """Ray's INFO lines on connecting (``ray.init``'s, from ``ray._private.worker``) off.
+    Idempotent; ``ray.init`` sets the level of the ``ray`` logger, not this filter."""
+    _install(logging.getLogger("ray._private.worker"))

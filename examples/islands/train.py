@@ -3,10 +3,12 @@
 Start every island at once, each in its own JAX world, with a local Ray cluster for
 their coordinator:
 
-    distrain launch --islands 2 --max-restarts 3 -- python examples/islands/train.py
+    distrain launch --islands 2 --max-restarts 3 -- python examples/islands/train.py --epochs 200
 
-Kill one island (``kill -9``) while it runs: the other goes on, the launcher restarts
-the dead one, and it rejoins from the global parameters. Every row is trained once.
+Kill one island (``kill -9 PID``, a pid the launcher prints) while it runs: the other
+goes on, the launcher restarts the dead one, and it rejoins from the global parameters.
+Every row is trained once. The default 2 epochs train for about a second, too short
+to kill by hand; 200 train for about a minute. See README.md.
 """
 
 from __future__ import annotations
@@ -59,7 +61,9 @@ def train_step(state: dt.TrainState, batch: dict[str, jax.Array]):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--directory", default="runs/islands_example")
-    p.add_argument("--epochs", type=int, default=2)
+    p.add_argument(
+        "--epochs", type=int, default=2, help="passes over the rows (200: a minute, to kill one)"
+    )
     p.add_argument("--mode", choices=("sync", "async"), default="sync")
     args = p.parse_args()
 

@@ -437,7 +437,14 @@ def pack_stream(text: bytes, seq_len: int) -> dict[str, np.ndarray]:
 
 
 def tinyshakespeare_splits(
-    seq_len: int = 128, *, whole_test: bool = False, **kwargs: object
+    seq_len: int = 128,
+    *,
+    whole_test: bool = False,
+    cache_dir: str | os.PathLike[str] | None = None,
+    url: str = TINYSHAKESPEARE_URL,
+    sha256: str = TINYSHAKESPEARE_SHA256,
+    heldout_fraction: float = 0.1,
+    timeout: float = 60.0,
 ) -> dict[str, dict[str, np.ndarray]]:
     """``data.fn`` for ``distrain train`` on TinyShakespeare (downloads ~1.1 MB once).
 
@@ -446,9 +453,16 @@ def tinyshakespeare_splits(
       whole_test: the held-out split as :func:`pack_stream` rows (every held-out target
         once; the held-out loss is over the whole split) instead of :func:`pack` rows
         (the tail that fills no row, under ``seq_len`` bytes, dropped).
-      **kwargs: for :func:`load_tinyshakespeare` (``cache_dir``, ``url``, ...).
+      cache_dir, url, sha256, heldout_fraction, timeout: :func:`load_tinyshakespeare`'s,
+        named here so that a config sees them (``data.kwargs.url=MIRROR``).
     """
-    text = load_tinyshakespeare(**kwargs)  # type: ignore[arg-type]
+    text = load_tinyshakespeare(
+        cache_dir=cache_dir,
+        url=url,
+        sha256=sha256,
+        heldout_fraction=heldout_fraction,
+        timeout=timeout,
+    )
     out = {name: {"tokens": pack([t], seq_len)} for name, t in text.items()}
     if whole_test:
         out["test"] = pack_stream(text["test"], seq_len)

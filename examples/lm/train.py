@@ -192,6 +192,11 @@ def generate(
 
 # ---------------------------------------------------------------- the run
 
+# The samples' prompts, in the style of the corpus: the stdlib's Python by default, a
+# play's speakers for TinyShakespeare (whose first line is "First Citizen:").
+PYTHON_PROMPTS = ("def ", "import ", "class ")
+SHAKESPEARE_PROMPTS = ("First Citizen:\n", "ROMEO:\n", "JULIET:\n")
+
 
 @dataclasses.dataclass
 class Settings:
@@ -223,7 +228,7 @@ class Settings:
     batch_layout: Any = None
     peak_flops: float | None = None  # per device; None: the table's (none on CPU)
     profile: tuple[int, int] | None = None
-    prompts: tuple[str, ...] = ("def ", "import ", "class ")
+    prompts: tuple[str, ...] = PYTHON_PROMPTS
     sample_bytes: int = 48
     temperature: float = 0.0
 
@@ -256,6 +261,7 @@ def settings_from_config(path: str, overrides: list[str] | tuple[str, ...] = ())
         devices_per_replica=cfg.strategy.devices_per_replica,
         layout=_layout(cfg.strategy.layout_kwargs()["layout"]),
         batch_layout=cfg.strategy.layout_kwargs()["batch_layout"],
+        prompts=SHAKESPEARE_PROMPTS if "tinyshakespeare" in cfg.data.fn else PYTHON_PROMPTS,
     )
 
 
@@ -327,6 +333,13 @@ def make_strategy(s: Settings) -> dt.Strategy:
     )
 
 
+def evaluation_interval(s: Settings) -> int:
+    """Steps between held-out evaluations (one Trainer epoch each): ``eval_every``, at
+    most the run's steps, so that a short run's progress bar counts to its own end
+    (``--steps 20`` showed ``20/50``)."""
+    return min(s.eval_every, s.steps)
+
+
 def train_and_evaluate(
     s: Settings,
     *,
@@ -350,6 +363,7 @@ def train_and_evaluate(
     """
     strategy = strategy or make_strategy(s)
     n = strategy.num_replicas_in_sync
+    every = evaluation_interval(s)
     splits = splits if splits is not None else load_splits(s)
     apply_fn, state = init_state(s)
     cfg = s.model
@@ -357,7 +371,8 @@ def train_and_evaluate(
     fpt = flops_per_token(cfg)
     rows = {k: len(next(iter(v.values()))) for k, v in splits.items()}
     log(
-        f"model: {n_params['total']:,} parameters, {fpt / 1e6:.2f} MFLOPs/token; {n} replicas "
+        f"model: {n_params['total']:,} parameters, {fpt / 1e6:.2f} MFLOPs/token; "
+        f"{n} replica{'s' * (n > 1)} "
         f"on {jax.devices()[0].device_kind}; train {rows['train']:,} x {cfg.seq_len} tokens, "
         f"held-out {rows['test']:,} sequences"
     )
@@ -383,7 +398,7 @@ def train_and_evaluate(
         callbacks.append(dt.callbacks.ProgressBar())
     if workdir is not None:
         callbacks += [
-            dt.callbacks.BackupAndRestore(os.path.join(workdir, "backup"), save_freq=s.eval_every),
+            dt.callbacks.BackupAndRestore(os.path.join(workdir, "backup"), save_freq=every),
             dt.callbacks.ModelCheckpoint(os.path.join(workdir, "checkpoints"), max_to_keep=1),
         ]
     if s.profile is not None:
@@ -404,14 +419,14 @@ def train_and_evaluate(
     state, history = trainer.fit(
         state,
         train,
-        epochs=math.ceil(s.steps / s.eval_every),
+        epochs=math.ceil(s.steps / every),
         steps=s.steps,
-        steps_per_epoch=s.eval_every,
+        steps_per_epoch=every,
         validation_data=test,
     )
     seconds = time.perf_counter() - start
     h = history.history
-    steps_at = [min((e + 1) * s.eval_every, s.steps) for e in range(len(h["loss"]))]
+    steps_at = [min((e + 1) * every, s.steps) for e in range(len(h["loss"]))]
     for step, tl, vl in zip(steps_at, h["loss"], h["val_loss"], strict=True):
         log(f"step {step}: train loss {tl:.4f}  held-out loss {vl:.4f}")
     tp = throughput.summary()

@@ -451,9 +451,21 @@ class _Launcher:
         self.lock = lock or threading.Lock()
 
     def stop(self) -> None:
-        """From another thread: restart nothing more, and kill the running processes."""
+        """From another thread: restart nothing more, and end the running attempt as a
+        stopped launcher does (SIGTERM, SIGKILL after ``--grace-period``; the attempt's
+        thread does it, and reports no failure)."""
+        self.stopped = True
+
+    def kill(self) -> None:
+        """From another thread, after :meth:`stop`: SIGKILL whatever still runs (an
+        attempt whose thread did not end in time)."""
         self.stopped = True
         _kill(list(self.procs))
+
+    @property
+    def _scope(self) -> str:
+        """What one failure stops and restarts: every process, or the island's own."""
+        return "its processes" if self.name else "all processes"
 
     def log(self, message: str) -> None:
         with self.lock:
@@ -468,8 +480,9 @@ class _Launcher:
             the attempt ended in a preemption (see `_after_preemption`).
         """
         port = self.args.port or free_port()
+        n = self.args.nproc
         self.log(
-            f"starting {self.args.nproc} processes (attempt {attempt + 1} of {limit}), "
+            f"starting {n} process{'es' * (n > 1)} (attempt {attempt + 1} of {limit}), "
             f"coordinator 127.0.0.1:{port}"
         )
         procs: list[subprocess.Popen] = []
@@ -501,13 +514,21 @@ class _Launcher:
                 )
                 pump.start()
                 pumps.append(pump)
+            # The ids to signal by hand (`kill -9 PID`: the fault tolerance, tried out).
+            self.log(", ".join(f"process {i} is pid {p.pid}" for i, p in enumerate(procs)))
             failure = self._wait(procs)
-            if failure is not None and failure[1] == PREEMPTION_EXIT_CODE:
+            if self.stopped:
+                pass  # stop(): the finally below ends the processes; no failure to report
+            elif failure is not None and failure[1] == PREEMPTION_EXIT_CODE:
                 failure, preempted = self._after_preemption(procs, failure[0])
             elif failure is not None:
-                self.log(
-                    f"process {failure[0]} {_status_text(failure[1])}; stopping the other processes"
-                )
+                if self.args.nproc == 1:  # an island's one process: the others go on
+                    others = "; the other islands go on" if self.name else ""
+                elif self.name:
+                    others = f"; stopping {self.name.strip()}'s other processes"
+                else:
+                    others = "; stopping the other processes"
+                self.log(f"process {failure[0]} {_status_text(failure[1])}{others}")
                 # At once, no grace period: the others cannot save a checkpoint without
                 # the failed process (a save is collective), and JAX's preemption
                 # service swallows SIGTERM in them anyway.
@@ -516,14 +537,16 @@ class _Launcher:
             _stop(procs, self.args.grace_period)
             for pump in pumps:
                 pump.join(timeout=5)
+        if self.stopped:
+            return 130, False  # the launcher itself was stopped: its caller says so
         if failure is None:
-            self.log("all processes finished")
+            self.log("finished" if self.name else "all processes finished")
             return 0, False
         return _exit_code(failure[1]), preempted
 
     def _wait(self, procs: list[subprocess.Popen]) -> tuple[int, int] | None:
         """Waits until every process exited 0 (returns None) or one failed (its index, code)."""
-        while True:
+        while not self.stopped:
             codes = [p.poll() for p in procs]
             failed = [(i, code) for i, code in enumerate(codes) if code not in (None, 0)]
             if failed:
@@ -534,6 +557,7 @@ class _Launcher:
             if all(code == 0 for code in codes):
                 return None
             time.sleep(0.05)
+        return None
 
     def _after_preemption(
         self, procs: list[subprocess.Popen], index: int
@@ -598,7 +622,7 @@ class _Launcher:
             if preempted and preemptions < self.args.max_preemptions:
                 preemptions += 1
                 self.log(
-                    f"restarting all processes after the preemption ({preemptions} of "
+                    f"restarting {self._scope} after the preemption ({preemptions} of "
                     f"{self.args.max_preemptions} --max-preemptions; --max-restarts used: "
                     f"{failures} of {self.args.max_restarts})"
                 )
@@ -611,7 +635,7 @@ class _Launcher:
                 return code
             elif failures < self.args.max_restarts:
                 failures += 1
-                self.log(f"restarting all processes ({failures} of {self.args.max_restarts})")
+                self.log(f"restarting {self._scope} ({failures} of {self.args.max_restarts})")
             else:
                 self.log(f"giving up after {attempt + 1} attempt(s); exit status {code}")
                 return code
@@ -693,7 +717,10 @@ def run(args: argparse.Namespace) -> int:
             return 2
         except (KeyboardInterrupt, _Terminated):
             # run_islands killed every island's processes and stopped the Ray head.
-            sys.stderr.write("[launch] interrupted; all islands stopped\n")
+            sys.stderr.write(
+                "[launch] interrupted; all islands stopped. Run the same command to continue "
+                "from the islands' last round (their coordinator saves each one)\n"
+            )
             return 130
         finally:
             if previous is not None:

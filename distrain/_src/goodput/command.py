@@ -29,6 +29,8 @@ def main(argv: Sequence[str]) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(r.to_json(), f, indent=1)
+        print(f"wrote {args.json}")
     if args.png:
         r.plot(args.png)
+        print(f"wrote {args.png}")
     return 0

@@ -3,11 +3,12 @@
 An *attempt* is one chief process (one start record). Within an attempt the ledger's
 totals say where the time went; between attempts nothing trained (``downtime``: from
 an attempt's last record to the next one's process start, so a SIGKILL's unrecorded
-tail, at most the ledger's interval, counts there). An attempt that did not finish
-training and was followed by one that resumed from step ``r`` lost everything it did
-after its record of step ``r`` (``lost``; the steps are redone); one followed by an
-attempt that resumed from nothing lost all of it. The buckets add up to
-the wall time from the first process start to the last record.
+tail counts there: at most the ledger's interval while steps run, all of a final
+evaluation that was killed). An attempt that did not finish its work and was followed
+by one that resumed from step ``r`` lost everything it did after its record of step
+``r`` (``lost``; the steps are redone); one followed by an attempt that resumed from
+nothing lost all of it. The buckets add up to the wall time from the first process
+start to the last record.
 
 Example:
   >>> r = report("runs/exp")
@@ -18,6 +19,7 @@ Example:
 from __future__ import annotations
 
 import dataclasses
+import glob
 import json
 import os
 from typing import Any
@@ -43,7 +45,7 @@ class Attempt:
     resumed_from: int | None
     restore: tuple[str, float] | None  # (tier, seconds) of the restore it resumed from
     milestones: dict[str, float]  # seconds from the process start to each (``milestone``)
-    finished: bool  # reached the end of training (a fit_end record)
+    finished: bool  # finished the run's work (a fit_end record: ``Ledger.finished``)
     saves: tuple[tuple[float, int], ...]
     records: tuple[tuple[float, int | None, dict[str, float]], ...]  # (t, step, totals)
 
@@ -57,7 +59,8 @@ class Report:
       buckets_s: seconds per bucket (``REPORT_BUCKETS``); they sum to ``wall_s``.
       goodput: productive step time / wall time.
       attempts: the chief processes, in order.
-      failures: attempts that did not finish training and were followed by another.
+      failures: attempts that did not finish the run's work (training, and the final
+        evaluation of ``distrain train``) and were followed by another.
       lost_steps_per_failure: for each failure, steps it ran past the step the next
         attempt resumed from.
       skipped_lines: ledger lines that could not be read (a line torn by a kill).
@@ -110,6 +113,13 @@ class Report:
             f"goodput {self.goodput:.1%} over {len(self.attempts)} attempt(s), "
             f"{self.failures} failure(s) (steps lost each: {lost})"
         )
+        if self.failures:  # what the step count can and cannot see
+            rows.append(
+                "(steps lost: from the step the next attempt resumed from to the failed "
+                "attempt's last ledger record; an estimate: a step is recorded when it is "
+                "dispatched, and steps after the last record, at most one interval's, are "
+                "not seen)"
+            )
         return "\n".join(rows)
 
     def plot(self, path: str | os.PathLike[str]) -> None:
@@ -124,6 +134,16 @@ def read_records(workdir: str | os.PathLike[str]) -> tuple[list[dict[str, Any]],
     """The ledger's records in file order, and how many lines could not be read."""
     path = os.path.join(os.fspath(workdir), FILENAME)
     if not os.path.exists(path):
+        islands = sorted(
+            glob.glob(os.path.join(glob.escape(os.fspath(workdir)), "island-*", FILENAME))
+        )
+        if islands:  # dt.experimental.islands.train: a ledger per island, none for the run
+            found = ", ".join(os.path.dirname(p) for p in islands)
+            raise FileNotFoundError(
+                f"No goodput ledger at {path}: {workdir} is a run of islands, and each island "
+                f"has its own ledger ({found}). Pass one island's directory, e.g. "
+                f"`distrain goodput {os.path.dirname(islands[0])}`."
+            )
         raise FileNotFoundError(
             f"No goodput ledger at {path}. A run writes one where the dt.callbacks.Goodput "
             "callback (or distrain train with logging.dir set) points; pass that directory."

@@ -3,7 +3,7 @@
 Each island is a `distrain launch --nproc P` of its own (its own ``jax.distributed``
 coordinator port, its own restarts), run on a thread of the launcher; a failed island
 restarts alone while the others go on. The Ray head (``ray start --head --block``, on
-127.0.0.1, token authentication, its own temporary directory) runs in a session of its
+127.0.0.1, token authentication, a private temporary directory) runs in a session of its
 own, which is killed as a whole at the end.
 """
 
@@ -152,10 +152,20 @@ def run_islands(
     n = args.islands
     lock = threading.Lock()
     port = free_port()
-    sys.stderr.write(f"[launch] starting a local Ray cluster on 127.0.0.1:{port} for {n} islands\n")
-    temp_dir = os.path.join(tempfile.gettempdir(), f"distrain-ray-{port}")
+    islands = f"{n} islands" if n > 1 else "1 island"
+    sys.stderr.write(f"[launch] starting a local Ray cluster on 127.0.0.1:{port} for {islands}\n")
+    # The cluster's sockets and logs, private: Ray makes its temporary directory
+    # world-writable (mode 0777), so it goes inside one of mode 0700 whose name no other
+    # user can guess and create first.
+    private = tempfile.mkdtemp(prefix="distrain-ray-")
     ray_env = _ray_env()
-    ray = start_ray(port, num_cpus=max(2, n + 1), temp_dir=temp_dir, env=ray_env)
+    try:
+        ray = start_ray(
+            port, num_cpus=max(2, n + 1), temp_dir=os.path.join(private, "ray"), env=ray_env
+        )
+    except BaseException:
+        shutil.rmtree(private, ignore_errors=True)
+        raise
     codes: dict[int, int] = {}
     launchers = []
     for k in range(n):
@@ -186,16 +196,21 @@ def run_islands(
         while any(t.is_alive() for t in threads):
             time.sleep(0.1)
     except BaseException:
-        for launcher in launchers:
-            launcher.stop()  # no island restarts from now on
-        for t in threads:  # an attempt being started when the signal came ends here
-            t.join(timeout=10)
+        # No island restarts from now on; each island's thread ends its attempt as a
+        # stopped launcher does (SIGTERM, SIGKILL after --grace-period), all at once.
         for launcher in launchers:
             launcher.stop()
+        try:
+            deadline = time.monotonic() + args.grace_period + 10
+            for t in threads:
+                t.join(timeout=max(0.0, deadline - time.monotonic()))
+        finally:  # even on a second Ctrl-C: nothing outlives the launcher
+            for launcher in launchers:
+                launcher.kill()
         raise
     finally:
         stop_ray(ray)
-        shutil.rmtree(temp_dir, ignore_errors=True)
+        shutil.rmtree(private, ignore_errors=True)
     failed = [(k, c) for k, c in sorted(codes.items()) if c != 0]
     if failed:
         sys.stderr.write(
@@ -203,5 +218,5 @@ def run_islands(
             f"{failed[0][1]}\n"
         )
         return failed[0][1]
-    sys.stderr.write(f"[launch] all {n} islands finished\n")
+    sys.stderr.write(f"[launch] {'all ' if n > 1 else ''}{islands} finished\n")
     return 0

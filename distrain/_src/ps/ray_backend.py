@@ -29,6 +29,7 @@ from typing import Any, cast
 import numpy as np
 import optax
 
+from distrain._src import verbosity
 from distrain._src.ps.backend import ServerBackend, Worker
 from distrain._src.ps.datasets import IteratorRef
 from distrain._src.ps.errors import ParameterServerUnavailableError, WorkerFailure
@@ -86,6 +87,7 @@ def check_reachable(address: str, timeout: float = CONNECT_TIMEOUT_S) -> None:
 def connect(address: str | None) -> bool:
     """Initialises Ray unless it already is; returns True if this call started it."""
     ray = _import_ray()
+    verbosity.quiet_ray()  # "Connecting to existing Ray cluster" at each start: quiet
     remote = address not in (None, "local", "auto")
     if remote:
         check_reachable(cast(str, address))  # cast: `remote` excludes None

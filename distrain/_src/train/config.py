@@ -77,8 +77,12 @@ class IslandsConfig(_Section):
         DiLoCo's, as ``dt.experimental.DiLoCoStrategy`` takes them.
     """
 
-    islands: pydantic.PositiveInt
-    sync_every: pydantic.PositiveInt
+    islands: pydantic.PositiveInt = Field(
+        description="the number of islands, which must divide the devices, e.g. 4"
+    )
+    sync_every: pydantic.PositiveInt = Field(
+        description="H, the inner steps between outer steps, e.g. 50"
+    )
     outer_optimizer: OuterOptimizerConfig = OuterOptimizerConfig()
     fragments: pydantic.PositiveInt | list[str] = 1
     fragment_sync_delay: pydantic.NonNegativeInt = 0
@@ -91,15 +95,16 @@ class StrategyConfig(_Section):
 
     Attributes:
       name: ``mirrored`` (all local devices), ``one_device``, ``default`` (no
-        distribution), ``multi_worker_mirrored``, ``central_storage`` or ``diloco``
+        distribution), ``multi_worker_mirrored``, ``central_storage``, ``tpu`` (every
+        chip of the TPU slice, on every host: ``dt.TPUStrategy``) or ``diloco``
         (islands: ``islands`` below).
       devices: for ``mirrored``/``central_storage``: device names like ``"cpu:0"``;
         default all local devices. For ``one_device``: the first entry (default the
         first device).
-      shard_state: for ``mirrored``/``multi_worker_mirrored``: store parameters and
+      shard_state: for ``mirrored``/``multi_worker_mirrored``/``tpu``: store parameters and
         optimizer state split over the devices (``true``), or over each process's
         devices with a copy per process (``process``; docs/scaling.md).
-      devices_per_replica: for ``mirrored``/``multi_worker_mirrored``: devices each
+      devices_per_replica: for ``mirrored``/``multi_worker_mirrored``/``tpu``: devices each
         replica spans (FSDP inside a replica; ``process``: one replica per process), or
         its named inner axes, e.g. ``{fsdp: 4, tensor: 2}`` (docs/scaling.md).
       layout: with ``devices_per_replica``: ``{path pattern: spec}`` rules, a spec being
@@ -115,7 +120,13 @@ class StrategyConfig(_Section):
     """
 
     name: Literal[
-        "mirrored", "one_device", "default", "multi_worker_mirrored", "central_storage", "diloco"
+        "mirrored",
+        "one_device",
+        "default",
+        "multi_worker_mirrored",
+        "central_storage",
+        "tpu",
+        "diloco",
     ] = "mirrored"
     devices: list[str] | None = None
     shard_state: bool | Literal["process"] = False
@@ -136,6 +147,12 @@ class StrategyConfig(_Section):
                 f"Received: strategy.name={self.name!r} and strategy.islands="
                 f"{'set' if self.islands is not None else 'null'}."
             )
+        if self.name == "tpu" and self.devices is not None:
+            raise ConfigError(
+                "strategy.devices does not apply to strategy.name=tpu (it takes every chip "
+                f"of the slice). Received: strategy.devices={self.devices!r}; remove it, or "
+                "use strategy.name=mirrored to choose this process's devices."
+            )
         if self.name == "diloco" and self.shard_state:
             raise ConfigError(
                 "strategy.shard_state does not apply to strategy.name=diloco (each island "
@@ -153,13 +170,14 @@ class StrategyConfig(_Section):
             if getattr(self, field) != off and self.name not in (
                 "mirrored",
                 "multi_worker_mirrored",
+                "tpu",
                 "diloco",
             ):
                 raise ConfigError(
-                    f"strategy.{field} applies to strategy.name mirrored or "
-                    f"multi_worker_mirrored. Received: strategy.name={self.name!r}; set "
-                    f"strategy.{field}={'null' if off is None else str(off).lower()} or "
-                    "change the strategy."
+                    f"strategy.{field} applies to strategy.name mirrored, "
+                    f"multi_worker_mirrored, tpu or diloco. Received: strategy.name="
+                    f"{self.name!r}; set strategy.{field}="
+                    f"{'null' if off is None else str(off).lower()} or change the strategy."
                 )
         return self
 
@@ -442,6 +460,11 @@ class CheckpointConfig(_Section):
         a backup every ``local_freq`` steps, each process's shards mirrored on a peer
         process; a restart resumes from the newest backup that verifies in either.
       local_freq: steps between local backups (with ``local_dir``).
+      delete_backups: delete the backups (and the local tier) when the command's work is
+        done: training, then the final evaluation. Until then the finished state is
+        backed up, so a run killed in its final evaluation does not train again (its
+        rerun only evaluates). False keeps them (``BackupAndRestore``'s
+        ``delete_checkpoint=False``): a rerun then only evaluates.
     """
 
     dir: str | None = None
@@ -451,6 +474,7 @@ class CheckpointConfig(_Section):
     backup_freq: _Frequency = "epoch"
     local_dir: str | None = None
     local_freq: int | None = Field(default=None, ge=1)
+    delete_backups: bool = True
 
     @pydantic.model_validator(mode="after")
     def _local_tier_of_the_backups(self) -> CheckpointConfig:

@@ -86,7 +86,8 @@ def _field_message(path: str, field: FieldInfo, errors: list[ErrorDetails]) -> s
             if is_section(tp):
                 required = [n for n, f in tp.model_fields.items() if f.is_required()]
                 return f"Config section {path!r} is required; it needs {', '.join(required)}."
-            return f"Config field {path!r} is required: {field.description}."
+            what = f": {field.description}" if field.description else " (it has no default)"
+            return f"Config field {path!r} is required{what}."
         if e["type"] == "model_type":
             return (
                 f"Config section {path!r} must be a mapping of keys to values. "

@@ -2,7 +2,10 @@
 
 This is what ``distrain train --config FILE`` does: make the strategy, the model and
 its ``TrainState``, the data pipelines, the steps and the callbacks the config names;
-``fit``; then evaluate on the test split and report.
+``fit``; then evaluate on the test split and report. The run is done only then: its
+backups (``checkpoint.backup_dir``) keep the finished state until the final evaluation
+is, so a rerun after a kill there only evaluates, and its goodput ledger counts that
+kill as a failure.
 
 Example:
   >>> from distrain.config import load_config
@@ -12,6 +15,7 @@ Example:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import functools
@@ -50,21 +54,41 @@ class RunInterrupted(KeyboardInterrupt):
     continue (what ``distrain train`` prints instead of a traceback)."""
 
 
-def _interrupted(trainer: Any) -> str:
-    from distrain._src.train.callbacks.checkpointing import BackupAndRestore
+def _interrupted(trainer: Any, evaluating: bool = False) -> str:
+    """What Ctrl-C leaves: where it stopped, what can be resumed and how."""
+    from distrain._src.train.callbacks.checkpointing import BackupAndRestore, ModelCheckpoint
 
-    where = f"interrupted at step {trainer.loop.global_step}"
-    backups = [cb for cb in trainer.callbacks if isinstance(cb, BackupAndRestore)]
-    if not backups:
+    step = trainer.loop.global_step
+    where = f"interrupted at step {step}"
+    if evaluating:
+        where = f"interrupted in the final evaluation (training had finished at step {step})"
+    backup = next((cb for cb in trainer.callbacks if isinstance(cb, BackupAndRestore)), None)
+    if backup is None:
+        again = "retrains from step 0" if evaluating else "starts over"
+        keep = next((cb for cb in trainer.callbacks if isinstance(cb, ModelCheckpoint)), None)
+        if keep is None or keep.last_saved_step is None:
+            saved = "" if keep is None else ", and no checkpoint in checkpoint.dir yet"
+            return (
+                f"{where}; nothing was saved (no checkpoint.backup_dir{saved}), so running "
+                f"the command again {again}"
+            )
+        # ModelCheckpoint keeps checkpoints for later use; the command resumes from backups.
         return (
-            f"{where}; nothing was saved (no checkpoint.backup_dir), so running the command "
-            "again starts over"
+            f"{where}; running the command again {again}: it resumes only from "
+            "checkpoint.backup_dir, which is not set. checkpoint.dir keeps the checkpoint "
+            f"of step {keep.last_saved_step} in {keep.directory} (for later use: "
+            "dt.checkpoint.CheckpointManager(dir).restore(target=state)); set "
+            "checkpoint.backup_dir to make a run resumable"
         )
-    backup = backups[0]
     if backup.newest_backup is None:
         return (
             f"{where}, before the first backup in {backup.directory}; running the same "
             "command again starts over"
+        )
+    if evaluating:
+        return (
+            f"{where}; its final state is backed up (step {backup.newest_backup} in "
+            f"{backup.directory}): run the same command to evaluate without training again"
         )
     return (
         f"{where}; the newest backup is step {backup.newest_backup} in {backup.directory}: "
@@ -151,27 +175,54 @@ def build_strategy(cfg: StrategyConfig) -> Strategy:
                 "strategy.name=default trains on the current strategy, and the current one is "
                 f"{current!r}, which the Trainer does not run (it trains through a "
                 "coordinator). Call run_config outside its scope, or name a strategy: "
-                "mirrored, one_device, multi_worker_mirrored or central_storage."
+                "mirrored, one_device, multi_worker_mirrored, central_storage or tpu."
             )
         return current
     if cfg.name == "multi_worker_mirrored":
         return dt.MultiWorkerMirroredStrategy(shard_state=cfg.shard_state, **layout)
+    if cfg.name == "tpu":
+        from distrain._src.cluster import tpu_system
+
+        try:  # before the strategy joins a cluster or starts a backend
+            tpu_system.check_tpu_available("strategy.name=tpu (dt.TPUStrategy)")
+        except RuntimeError as e:
+            raise ConfigError(
+                f"{e} In a config: strategy.name=mirrored (this machine's devices) or "
+                "multi_worker_mirrored (several machines)."
+            ) from e
+        return dt.TPUStrategy(shard_state=cfg.shard_state, **layout)
     if cfg.name == "diloco" and cfg.islands is not None:
         isl = cfg.islands
         outer = isl.outer_optimizer
-        return dt.experimental.DiLoCoStrategy(
-            isl.islands,
-            isl.sync_every,
-            _optimizer(
-                outer.name, outer.learning_rate, outer.kwargs, "strategy.islands.outer_optimizer"
-            ),
-            fragments=isl.fragments,
-            fragment_sync_delay=isl.fragment_sync_delay,
-            fragment_update_alpha=isl.fragment_update_alpha,
-            outer_dtype=isl.outer_dtype,
-            devices=cfg.devices,
-            **layout,
-        )
+        try:
+            return dt.experimental.DiLoCoStrategy(
+                isl.islands,
+                isl.sync_every,
+                _optimizer(
+                    outer.name,
+                    outer.learning_rate,
+                    outer.kwargs,
+                    "strategy.islands.outer_optimizer",
+                ),
+                fragments=isl.fragments,
+                fragment_sync_delay=isl.fragment_sync_delay,
+                fragment_update_alpha=isl.fragment_update_alpha,
+                outer_dtype=isl.outer_dtype,
+                devices=cfg.devices,
+                **layout,
+            )
+        except ValueError as e:  # the strategy's own words name its Python argument
+            if not str(e).startswith(f"islands={isl.islands} must divide"):
+                raise
+            n = len(cfg.devices) if cfg.devices else jax.device_count()
+            raise ConfigError(
+                f"Config field 'strategy.islands.islands' ({isl.islands}) must divide the "
+                f"{n} devices (equal islands). Use one of "
+                f"{[d for d in range(1, n + 1) if n % d == 0]}, choose the devices with "
+                "strategy.devices=[...], or on a CPU start more (virtual) devices, as "
+                "docs/islands.md does: XLA_FLAGS=--xla_force_host_platform_device_count=8 "
+                "distrain train ..."
+            ) from e
     return dt.experimental.CentralStorageStrategy(compute_devices=cfg.devices)
 
 
@@ -257,9 +308,11 @@ def _load_data(cfg: RunConfig, data_fn: Callable[..., Any]) -> Any:
         return data_fn(**cfg.data.kwargs)
     except OSError as e:
         try:
-            names = list(inspect.signature(data_fn).parameters)
+            params = list(inspect.signature(data_fn).parameters.values())
         except (TypeError, ValueError):
-            names = []
+            params = []
+        # Named ones only: `data.kwargs.kwargs` would set a keyword named "kwargs".
+        names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
         settable = ", ".join(f"data.kwargs.{n}" for n in names) or "none"
         raise ConfigError(
             f"Config field 'data.fn' ({cfg.data.fn}) could not load its data: {e} (From a "
@@ -288,13 +341,19 @@ def _callbacks(cfg: RunConfig, progress_bar: bool) -> list[Any]:
         if cfg.logging.jsonl:
             out.append(cb.JSONLinesLogger(os.path.join(log_dir, "metrics.jsonl")))
     if log_dir is not None and cfg.logging.goodput:
-        out.append(cb.Goodput(log_dir, interval=cfg.logging.goodput_interval))
+        # The run is finished once its final evaluation is: run_config says when.
+        out.append(
+            cb.Goodput(log_dir, interval=cfg.logging.goodput_interval, finish_with_fit=False)
+        )
     ck = cfg.checkpoint
     if ck.backup_dir is not None:
         out.append(
             cb.BackupAndRestore(
                 ck.backup_dir,
                 save_freq=ck.backup_freq,
+                # The finished state stays backed up until the final evaluation is done
+                # (run_config deletes the backups then): a kill in it does not retrain.
+                delete_checkpoint=False,
                 local_directory=ck.local_dir,
                 local_save_freq=ck.local_freq,
             )
@@ -406,6 +465,10 @@ def run_config(
 ) -> RunResult:
     """Trains as ``cfg`` says, then evaluates on the ``test`` split (if any).
 
+    With ``checkpoint.backup_dir`` the backups, the finished state included, are deleted
+    after that evaluation (``checkpoint.delete_backups``); a run that resumes from a
+    finished state trains nothing and only evaluates.
+
     Args:
       cfg: the run config.
       callbacks: extra callbacks (after the configured ones).
@@ -416,7 +479,11 @@ def run_config(
       ConfigError: a name in the config that cannot be imported or used, a batch size
         that does not divide over the replicas, data that cannot be loaded (MNIST
         offline).
+      RunInterrupted: Ctrl-C, in ``fit`` or the final evaluation; its message says what
+        can be resumed and how.
     """
+    from distrain._src.train.callbacks.checkpointing import BackupAndRestore
+    from distrain._src.train.callbacks.goodput import Goodput
     from distrain._src.train.optimizer import LearningRateLogger, build_optimizer
     from distrain._src.train.progress import steps_per_epoch_of
     from distrain._src.train.state import TrainState
@@ -469,6 +536,7 @@ def run_config(
             f"Config field 'data.validation_split' is {val_name!r}, but {cfg.data.fn} returned "
             f"the splits {sorted(data)}. Use one of them or null."
         )
+    configured = _callbacks(cfg, progress_bar)
     trainer = Trainer(
         strategy,
         train_step,
@@ -476,7 +544,7 @@ def run_config(
         # The schedule's value joins the logs before the loggers write them.
         callbacks=[
             *([LearningRateLogger(schedule)] if schedule is not None else []),
-            *_callbacks(cfg, progress_bar),
+            *configured,
             *callbacks,
         ],
         steps_per_execution=cfg.train.steps_per_execution,
@@ -494,13 +562,25 @@ def run_config(
         )
     except KeyboardInterrupt:
         raise RunInterrupted(_interrupted(trainer)) from None
+    # The run is done when this is: until then the finished state stays backed up and
+    # the ledger unfinished, so a kill here is a failure that a rerun only evaluates after.
+    ledger = next((c.ledger for c in configured if isinstance(c, Goodput)), None)
     test_metrics = None
     if eval_step is not None and "test" in data:
-        test_metrics = trainer.evaluate(state, data["test"])
+        try:
+            with ledger.phase("evaluation") if ledger is not None else contextlib.nullcontext():
+                test_metrics = trainer.evaluate(state, data["test"])
+        except KeyboardInterrupt:
+            raise RunInterrupted(_interrupted(trainer, evaluating=True)) from None
         shown = " ".join(f"{k}={v:.4f}" for k, v in test_metrics.items())
         say(f"final test: {shown}")
         if "accuracy" in test_metrics:
             say(f"test accuracy: {100 * test_metrics['accuracy']:.2f}%")
+    backup = next((c for c in configured if isinstance(c, BackupAndRestore)), None)
+    if backup is not None and cfg.checkpoint.delete_backups:
+        backup.delete_backups()
+    if ledger is not None:
+        ledger.finished()
     seconds = time.perf_counter() - start
     loop = trainer.loop
     ran = f"{loop.global_step - loop.initial_step} steps"

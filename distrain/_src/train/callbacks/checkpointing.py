@@ -283,11 +283,13 @@ class BackupAndRestore(_Saver):
       save_freq: ``"epoch"`` or a number of steps between backups.
       max_to_keep: backups kept (at least 2, so a damaged newest one has a fallback).
       delete_checkpoint: delete ``backup_dir`` (backups and any damaged step set aside
-        in it) when ``fit`` completes with a finite state, as Keras does, so the next run
-        of the command starts afresh. With False, the finished state is backed up too:
-        running the same ``fit`` again restores it and trains nothing more (a larger
-        ``epochs`` continues from it). A state holding NaN or infinity at the end never
-        deletes the backups: the newest is the last good state.
+        in it) and the local tier when ``fit`` completes with a finite state, as Keras
+        does, so the next run of the command starts afresh. With False, the finished
+        state is backed up too: running the same ``fit`` again restores it and trains
+        nothing more (a larger ``epochs`` continues from it); call
+        :meth:`delete_backups` once the work that follows ``fit`` (a final evaluation,
+        an export) is done, as ``distrain train`` does. A state holding NaN or infinity
+        at the end never deletes the backups: the newest is the last good state.
       async_save: write in the background.
       handle_preemption: install the SIGTERM handler (main thread only).
       verbose: print one line (chief only) when ``fit`` resumes from a backup and when a
@@ -342,9 +344,12 @@ class BackupAndRestore(_Saver):
         self.restored_step: int | None = None
         self._preemption: Any = None
         self._calls = 0
+        self._fit_manager: Any = None  # the last fit's manager, closed: its local tier
+        self._ended_finite = True
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
         self._open()
+        self._fit_manager = self.manager
         self.restored_step = self.last_saved_step = None
         self._calls = 0
         t = self._fit_trainer
@@ -368,10 +373,17 @@ class BackupAndRestore(_Saver):
                 "local": "the local tier",
                 "peer": "the local tier (some processes' copies from their peers)",
             }.get(self.manager.restored_from, str(self.directory))
-            self._say(
-                f"BackupAndRestore: resumed from the backup of step {loop.global_step} "
-                f"(epoch {loop.epoch + 1}, {loop.step_in_epoch} steps into it) in {where}"
-            )
+            if loop.finished():  # kept by delete_checkpoint=False; killed after fit ended
+                self._say(
+                    f"BackupAndRestore: training had finished: the backup of step "
+                    f"{loop.global_step} in {where} is its final state, so nothing is left "
+                    "to train"
+                )
+            else:
+                self._say(
+                    f"BackupAndRestore: resumed from the backup of step {loop.global_step} "
+                    f"(epoch {loop.epoch + 1}, {loop.step_in_epoch} steps into it) in {where}"
+                )
         if self.handle_preemption and threading.current_thread() is threading.main_thread():
             from distrain._src.checkpoint.preemption import PreemptionHandler
 
@@ -410,14 +422,12 @@ class BackupAndRestore(_Saver):
 
     def on_train_end(self, logs: Logs | None = None) -> None:
         t = self.trainer
-        finite = t is None or state_is_finite(t.state)
+        finite = self._ended_finite = t is None or state_is_finite(t.state)
         if finite and not self.delete_checkpoint:
             # Back up the finished state: running the same fit again restores it and
             # has nothing left to train, instead of redoing the steps after the last save.
             self._save()
         latest = self.manager.latest_step() if self.manager is not None else None
-        if finite and self.delete_checkpoint and self.manager is not None:
-            self.manager.delete_local()  # every process its own part
         self._finish()
         self._close_preemption()
         if not finite:
@@ -429,7 +439,34 @@ class BackupAndRestore(_Saver):
                 stacklevel=2,
             )
             return
-        if self.delete_checkpoint and t is not None and t.is_chief:
+        if self.delete_checkpoint:
+            self.delete_backups()
+
+    def delete_backups(self) -> None:
+        """Deletes the backups: the chief deletes ``backup_dir``, every process its part of
+        the local tier. Call it on every process after ``fit`` returned.
+
+        What a completed ``fit`` does itself with ``delete_checkpoint=True``. With False,
+        call it once the work that follows ``fit`` is done (a final evaluation, an
+        export): a failure during that work then resumes from the finished state instead
+        of training again. After a ``fit`` that ended with NaN or infinity in the state
+        it deletes nothing (the newest backup is the last good state).
+
+        Raises:
+          RuntimeError: during ``fit`` (a save may be in flight).
+        """
+        if self.manager is not None:
+            raise RuntimeError(
+                "BackupAndRestore.delete_backups() deletes the backups once fit has "
+                f"returned, but it was called during fit (backups in {self.directory} are "
+                "being written). Call it after fit, on every process; or let fit delete "
+                "them when it completes with delete_checkpoint=True."
+            )
+        if not self._ended_finite:
+            return
+        if self._fit_manager is not None:
+            self._fit_manager.delete_local()  # every process its own part
+        if self.trainer is None or self.trainer.is_chief:
             shutil.rmtree(self.directory, ignore_errors=True)
 
     def on_train_abort(self, error: BaseException) -> None:

@@ -18,9 +18,18 @@ class Goodput(Callback):
     the chief writes. A run that starts afresh in a directory whose ledger finished
     moves the old ledger aside (``goodput-<time>.jsonl``).
 
+    The run is finished (a later attempt that starts afresh is a new run, and the
+    report counts no failure for it) when ``fit`` ends, or, with ``finish_with_fit=False``,
+    when the program calls ``callback.ledger.finished()`` after the work that follows
+    ``fit`` (a final evaluation, an export): a kill during that work is then a failure
+    the report counts. Wrap that work in ``callback.ledger.phase(...)`` to charge it
+    to its bucket (``"evaluation"`` for an ``evaluate``; else it is ``other``).
+
     Args:
       workdir: the run's directory (e.g. the logging directory).
       interval: seconds between progress records (what a SIGKILL can lose).
+      finish_with_fit: the end of ``fit`` finishes the run (False: the program says when,
+        as ``distrain train`` does after its final evaluation).
 
     Raises:
       OSError: at ``fit`` start if ``workdir`` cannot be written.
@@ -31,11 +40,18 @@ class Goodput(Callback):
       >>> print(dt.goodput.report("runs/exp").table())
     """
 
-    def __init__(self, workdir: str | os.PathLike[str], *, interval: float = 1.0) -> None:
+    def __init__(
+        self,
+        workdir: str | os.PathLike[str],
+        *,
+        interval: float = 1.0,
+        finish_with_fit: bool = True,
+    ) -> None:
         if not interval > 0:
             raise ValueError(f"Goodput interval must be > 0 seconds. Received: {interval!r}.")
         self.workdir = os.fspath(workdir)
         self.interval = float(interval)
+        self.finish_with_fit = finish_with_fit
         self.ledger: goodput.Ledger | None = None
 
     def on_train_begin(self, logs: Logs | None = None) -> None:
@@ -56,5 +72,9 @@ class Goodput(Callback):
             self.ledger.progress(info.step)
 
     def on_train_end(self, logs: Logs | None = None) -> None:
-        if self.ledger is not None:
+        if self.ledger is None:
+            return
+        if self.finish_with_fit:
             self.ledger.finished()
+        else:  # the totals at the end of training; the program finishes the run later
+            self.ledger.record("train_end")
