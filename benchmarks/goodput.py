@@ -19,6 +19,11 @@ Usage:
   python -m benchmarks.goodput                      # configs/lm_tiny.yaml, kills every 120 s
   python -m benchmarks.goodput --toy                # the quickstart, one kill (a smoke run)
 
+Then measures what the local tier's exchange holds beyond the state
+(``benchmarks/local_exchange.py``: ``local_exchange_chunk_bytes`` and
+``local_exchange_extra_bytes``, two processes exchanging 128 and 512 MiB; not in
+``--toy``).
+
 Writes benchmarks/results/goodput.json (``--out``) and the local arm's timeline next to it.
 """
 
@@ -34,6 +39,8 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+
+from benchmarks import local_exchange
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -187,6 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         args.config, args.kill_every, args.max_kills = "configs/quickstart.yaml", 0.0, 1
         overrides = ["train.epochs=30", "train.validation_freq=100"]
     arms = {name: _run_arm(args, overrides, name == "local") for name in args.arms.split(",")}
+    exchange = {} if args.toy else local_exchange.measure()  # the toy run stays short
     main_arm = arms.get("local") or next(iter(arms.values()))
     figures: dict = {
         "command": " ".join(["python -m benchmarks.goodput", *(argv or sys.argv[1:])]),
@@ -209,6 +217,7 @@ def main(argv: list[str] | None = None) -> int:
             name: {k: v for k, v in arm.items() if k not in ("report", "attempts")}
             for name, arm in arms.items()
         },
+        **exchange,
     }
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(figures, indent=1) + "\n")
@@ -222,6 +231,8 @@ def main(argv: list[str] | None = None) -> int:
             f"lost steps per failure {arm['lost_steps_per_failure']}; restores "
             f"{arm['restore_s_by_tier']}; a restart's parts {arm['restart_breakdown_s']}"
         )
+    if exchange:
+        print(f"the local tier's exchange: {exchange}")
     return 0
 
 

@@ -10,7 +10,9 @@ permutation seeded by the seed; 16 rows per inner step, 20 inner steps per round
 * **unkilled**, seeds 0, 1, 2: the seed spread of the final held-out loss;
 * **killed**, seed 0: island 1 is SIGKILLed twice by this driver, each time about half
   a round into a round, after its live incarnation trained 3 rounds; the launcher
-  restarts it (``--max-restarts 3``) and it joins again while the others go on.
+  restarts it (``--max-restarts 3``) and it joins again while the others go on;
+* **solo**, first: one island alone (``--islands 1``) for one round, nothing else
+  running: the cold start that a rejoin is held against.
 
 Read from the runs' files (the coordinator's ``events.jsonl``, ``rows/`` and every
 island's ``timeline.jsonl`` and goodput ledger):
@@ -23,6 +25,12 @@ island's ``timeline.jsonl`` and goodput ledger):
   into spawn, import and init, connect, join, wait for the next round, compile and
   first step; ``cold_start_s``: the same for island 1's first incarnation (its process
   start to its first step, which includes waiting for every island at round 0);
+  ``cold_start_solo_s``: the same for the solo arm's island (the rejoin target's
+  reference: one island starting alone);
+* ``schedule_count_after_rejoin``: per rejoin, every ``count`` in the optimizer state
+  the new incarnation starts from (its timeline's ``joined_state``), and
+  ``schedule_count_expected``: the round it first trained (the coordinator's record)
+  times ``sync_every``, where a learning-rate schedule must go on;
 * ``killed_vs_unkilled_loss_gap``: killed minus unkilled, final held-out loss, seed 0;
   ``seed_spread``: max - min over the unkilled seeds;
 * the goodput of each island of the killed arm, the curves, and the targets.
@@ -354,7 +362,9 @@ def _breakdown(
     return out
 
 
-def _analyze(directory: Path, arm: dict[str, Any], total: int, islands: int) -> dict[str, Any]:
+def _analyze(
+    directory: Path, arm: dict[str, Any], total: int, islands: int, sync_every: int
+) -> dict[str, Any]:
     events = _lines(directory / "events.jsonl")
     rounds = sorted((e for e in events if e["event"] == "round"), key=lambda e: e["round"])
     compute = [float(m["compute_s"]) for e in rounds for m in e["metrics"].values()]
@@ -424,8 +434,37 @@ def _analyze(directory: Path, arm: dict[str, Any], total: int, islands: int) -> 
         b["kill_t"] = kill["t"]
         b["rejoin_s"] = b.pop("total_s")
         b["enrolled_round"] = join["round"] if join else None
+        b.update(_counts(tl, j, rounds, sync_every))
         arm["rejoins"].append(b)
     return arm
+
+
+def _counts(
+    timeline: list[dict[str, Any]], start_index: int, rounds: list[dict[str, Any]], h: int
+) -> dict[str, Any]:
+    """The optimizer counts the incarnation at ``start_index`` started from, and the step
+    they must be at: the first round the coordinator applied with its submission, x H."""
+    start = timeline[start_index]
+    counts = next(
+        (e["counts"] for e in timeline[start_index + 1 :] if e["event"] == "joined_state"), None
+    )
+    first = next(
+        (e["round"] for e in rounds if KILLED_ISLAND in e["islands"] and e["ready"] > start["t"]),
+        None,
+    )
+    return {"optimizer_counts": counts, "optimizer_counts_expected": None if first is None
+            else first * h}  # fmt: skip
+
+
+def _solo(directory: Path) -> dict[str, Any] | None:
+    """The solo arm's island, its process start to its first step (round 0 opens as soon
+    as it joined: it is alone)."""
+    tl = _lines(directory / "island-0" / "timeline.jsonl")
+    starts = [i for i, e in enumerate(tl) if e["event"] == "start"]
+    if not starts:
+        return None
+    joined = next((e["t"] for e in tl if e["event"] == "joined"), None)
+    return _breakdown(tl, starts[0], float(tl[starts[0]]["process_start"]), joined)
 
 
 def _evaluate(recipe: Any, directory: Path, arm: dict[str, Any], eval_rows: int) -> None:
@@ -485,7 +524,8 @@ def _goodput(directory: Path, islands: int) -> dict[str, Any]:
 def targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
     """The targets, met or not, from a result's headline fields."""
     stall, round_s, dt = r["max_stall_s"], r["round_s"], r["death_timeout_s"]
-    rejoin, cold = r["rejoin_s"], r["cold_start_s"]
+    rejoin, cold = r["rejoin_s"], r["cold_start_solo_s"]
+    counts, expected = r["schedule_count_after_rejoin"], r["schedule_count_expected"]
     gap, spread = r["killed_vs_unkilled_loss_gap"], r["seed_spread"]
     return {
         "stall": {
@@ -494,7 +534,7 @@ def targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
             "met": _finite(stall) and _finite(round_s) and stall <= dt + round_s,
         },
         "rejoin": {
-            "target": "every rejoin_s <= 1.5 x cold_start_s",
+            "target": "every rejoin_s <= 1.5 x cold_start_solo_s",
             "limit": 1.5 * cold if _finite(cold) else None,
             "met": bool(rejoin)
             and all(map(_finite, rejoin))
@@ -512,6 +552,15 @@ def targets(r: dict[str, Any]) -> dict[str, dict[str, Any]]:
         "rows": {
             "target": "rows_lost == 0 and rows_duplicated == 0 (killed arm)",
             "met": r["rows_lost"] == 0 and r["rows_duplicated"] == 0,
+        },
+        "schedule": {
+            "target": "every count in schedule_count_after_rejoin == schedule_count_expected",
+            "met": bool(counts)
+            and len(counts) == len(expected)
+            and all(
+                c and e is not None and all(x == e for x in c)
+                for c, e in zip(counts, expected, strict=True)
+            ),
         },
     }
 
@@ -630,6 +679,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     root = Path(tempfile.mkdtemp(prefix="islands_faults-"))
     if args.toy and args.compile_cache is None:
         args.compile_cache = root / "jax-cache"
+    # One island alone, nothing else running: the cold start a rejoin is held against.
+    solo_args = argparse.Namespace(
+        **{**vars(args), "islands": 1, "epochs": 1, "rows": args.batch * args.sync_every}
+    )
+    solo_dir = root / "solo"
+    solo_dir.mkdir()
+    print(f"[faults] arm solo (one island, one round): {solo_dir}")
+    solo_arm = _run_arm(solo_args, solo_dir, seeds[0], False, root / "solo.log")
+    solo = _solo(solo_dir)
+    solo_arm["cold_start"] = solo
     arms = []
     plan = [(s, False) for s in seeds] + [(seeds[0], True)]
     for seed, kill in plan:
@@ -638,7 +697,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"[faults] arm seed {seed} {'killed' if kill else 'unkilled'}: {directory}")
         arm = _run_arm(args, directory, seed, kill, root / f"{directory.name}.log")
         arm["directory"] = directory
-        arms.append(_analyze(directory, arm, total, args.islands))
+        arms.append(_analyze(directory, arm, total, args.islands, args.sync_every))
         print(
             f"[faults]   {arm['wall_s']:.0f} s, {arm['rounds']} rounds, exit {arm['exit']}, "
             f"rows lost {arm['rows_lost']} duplicated {arm['rows_duplicated']}, max stall "
@@ -711,6 +770,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rejoins": killed["rejoins"],
         "cold_start_s": cold,
         "cold_start": killed.get("cold_start"),
+        "cold_start_solo_s": solo.get("total_s") if solo else None,
+        "cold_start_solo": solo,
+        "solo_arm": solo_arm,
+        "schedule_count_after_rejoin": [r.get("optimizer_counts") for r in killed["rejoins"]],
+        "schedule_count_expected": [r.get("optimizer_counts_expected") for r in killed["rejoins"]],
         "kills": killed["kills"],
         "killed_vs_unkilled_loss_gap": gap,
         "seed_spread": spread,
@@ -749,7 +813,12 @@ def _summary(r: dict[str, Any]) -> None:
         )
     print(f"  round (compute, median) {f(r['round_s'])} s; death timeout {r['death_timeout_s']} s")
     print(
-        f"  cold start {f(r['cold_start_s'])} s; rejoins " + ", ".join(f(x) for x in r["rejoin_s"])
+        f"  cold start {f(r['cold_start_s'])} s (alone {f(r['cold_start_solo_s'])} s); rejoins "
+        + ", ".join(f(x) for x in r["rejoin_s"])
+    )
+    print(
+        f"  optimizer counts at each rejoin {r['schedule_count_after_rejoin']}; expected "
+        f"{r['schedule_count_expected']}"
     )
     for k, b in enumerate(r["rejoins"]):
         parts = ("spawn_s", "import_init_s", "connect_s", "join_s", "wait_for_round_s",

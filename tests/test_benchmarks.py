@@ -322,6 +322,13 @@ def test_islands_faults_toy_runs(tmp_path):
     assert math.isfinite(result["killed_vs_unkilled_loss_gap"])
     assert math.isfinite(result["seed_spread"])
     assert result["targets"]["rows"]["met"]
+    # Issue 50: a rejoined island's optimizer counts go on at round x H (0 before the
+    # fix), and the cold start of one island alone.
+    counts, expected = result["schedule_count_after_rejoin"], result["schedule_count_expected"]
+    assert len(counts) == 2 and all(e > 0 for e in expected)
+    assert all(c and set(c) == {e} for c, e in zip(counts, expected, strict=True))
+    assert result["targets"]["schedule"]["met"]
+    assert result["solo_arm"]["exit"] == 0 and math.isfinite(result["cold_start_solo_s"])
 
 
 def test_experts_toy_runs(tmp_path):

@@ -2,14 +2,17 @@
 mirrored on a peer process; restore from the newest copy that verifies.
 
 One process on 8 CPU devices: the tier's own copies, damage, a layout change, the
-abandoned timeline, wrong arguments. Two real processes (tests/scripts/ckpt_local.py):
-a job saves and SIGKILLs itself; a second job restores through lost, garbled and
-deleted copies (own, peer, persistent).
+abandoned timeline, a failed write, the exchange's memory, wrong arguments. Two real
+processes (tests/scripts/ckpt_local.py): a job saves, loses a process mid-restore and
+SIGKILLs itself; a second job restores through lost, garbled and deleted copies (own,
+peer, persistent), has one process's write fail, and loses a frozen process mid-restore.
 """
 
 from __future__ import annotations
 
+import gc
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -21,6 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import distrain as dt
+from distrain._src.checkpoint import local
 from distrain._src.cluster.launch import free_port
 from tests.processes import run_together
 
@@ -129,10 +133,68 @@ def test_save_local_and_delete_local(tmp_path):
         assert mgr.save_local(9, _state(9)) is False  # not newer than the persistent step
         mgr.wait_until_finished()
         mgr.delete_local()
-        assert not (tmp_path / "local" / "process-0").exists()
+        assert not (tmp_path / "local").exists()  # issue 51: nor the empty tier directory
     with dt.checkpoint.CheckpointManager(tmp_path / "p2") as plain:
         with pytest.raises(ValueError, match="needs a local tier: pass local_directory="):
             plain.save_local(1, _state(1))
+
+
+def test_a_failed_local_write_raises_once_at_the_next_save_or_wait(tmp_path):
+    with _manager(tmp_path) as mgr:
+        mgr.save_local(2, _state(2))
+        mgr.wait_until_finished()
+        (tmp_path / "local" / "process-0" / "4").write_text("")  # where step 4's directory goes
+        mgr.save_local(4, _state(4))  # its background write fails
+        match = r"write of step 4 failed on process 0 \(NotADirectoryError: .*save of step 6"
+        with pytest.raises(OSError, match=match):
+            mgr.save_local(6, _state(6))
+        mgr.save_local(8, _state(8))  # said once: the tier goes on
+        (tmp_path / "local" / "process-0" / "12").write_text("")
+        mgr.save_local(12, _state(12))
+        with pytest.raises(OSError, match=r"write of step 12 failed.*choose another local_dir"):
+            mgr.wait_until_finished()
+        mgr.wait_until_finished()
+        r = mgr.restore(target=_state(0))  # the newest step written whole
+        assert (r.step, mgr.restored_from) == (8, "local") and _same(r.state, _state(8))
+
+
+MIB = 1 << 20
+
+
+def _rise_in_memory(fn):
+    """``fn()``, and how far the process's peak resident memory rose above its memory
+    before (Linux: the peak is reset through /proc/self/clear_refs)."""
+
+    def field(name):
+        text = Path("/proc/self/status").read_text()
+        return int(re.search(rf"^{name}:\s+(\d+) kB", text, re.M).group(1)) * 1024
+
+    gc.collect()
+    before = field("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    out = fn()
+    return out, field("VmHWM") - before
+
+
+def test_the_exchange_holds_a_few_chunks_whatever_the_state_size(devices):
+    """Issue 50, defect 7b: the exchange put the whole state on a device, plus an equal
+    output and a host copy; it now sends fixed-size chunks. One process sending to
+    itself runs the same code as a ring of processes."""
+    sizes = (13, 0, 50 * MIB + 5, 20 * MIB - 3)  # 3 chunks, the last one short
+    parts = [
+        np.arange(n // 4 + 1, dtype=np.uint32).view(np.uint8)[:n] + i for i, n in enumerate(sizes)
+    ]
+    # Over glibc's largest mmap threshold (32 MiB): each chunk's buffers go back to the
+    # system when freed, so the peak counts what the exchange holds, not the heap's reuse.
+    chunk = 33 * MIB
+    local.exchange([np.ones(chunk, np.uint8)], [(0, 0)], "a warm-up", chunk_bytes=chunk)
+    got, rise = _rise_in_memory(lambda: local.exchange(parts, [(0, 0)], "", chunk_bytes=chunk))
+    ends = np.cumsum(sizes)
+    for part, end in zip(parts, ends, strict=True):  # chunk borders within and across parts
+        assert np.array_equal(got[end - part.size : end], part)
+    assert got.size == ends[-1]
+    # About 3 chunks beyond what it received (before: 3x the state, 210 MiB).
+    assert rise - got.nbytes < 4 * chunk, rise / MIB
 
 
 @pytest.mark.parametrize(
@@ -179,20 +241,37 @@ def _job(tmp_path, port, *extra):
     ]
 
 
-def test_two_processes_restore_from_own_peer_and_persistent_copies(tmp_path):
-    results = run_together(_job(tmp_path, free_port(), "--save", "15"), timeout=120)
-    for rc, out, _ in results:
-        assert rc == -9 and "SAVED" in out, out[-3000:]  # SIGKILLed after its saves
+@pytest.fixture(scope="module")
+def two_process_jobs(tmp_path_factory):
+    """The save job and the restore job of tests/scripts/ckpt_local.py, run once."""
+    tmp_path = tmp_path_factory.mktemp("two-processes")
+    saved = run_together(_job(tmp_path, free_port(), "--save", "15"), timeout=120)
     local = tmp_path / "l"
-    assert sorted(os.listdir(local / "process-0")) == ["12", "14", "peer-of-1"]
-    assert sorted(os.listdir(local / "process-1" / "peer-of-0")) == ["12", "14"]
+    listed = [sorted(os.listdir(local / d)) for d in ("process-0", "process-1/peer-of-0")]
+    restored = run_together(_job(tmp_path, free_port(), "--scenarios"), timeout=120)
+    return listed, saved, restored
 
-    results = run_together(_job(tmp_path, free_port(), "--scenarios"), timeout=120)
+
+def _failures(out):
+    """The ``FAILED <seconds> <error>`` lines of a job's process: (seconds, error)."""
+    return [
+        (float(line.split()[1]), line.split(" ", 2)[2])
+        for line in out.splitlines()
+        if line.startswith("FAILED ")
+    ]
+
+
+def test_two_processes_restore_from_own_peer_and_persistent_copies(two_process_jobs):
+    listed, saved, restored = two_process_jobs
+    for rc, out, _ in saved:
+        assert rc == -9 and "SAVED" in out, out[-3000:]  # SIGKILLed after its saves
+    # What the save job left (its restore, failed when process 1 was killed, deleted nothing).
+    assert listed == [["12", "14", "peer-of-1"], ["12", "14"]]
+
     lines = []
-    for rc, out, _ in results:
-        assert rc == 0, out[-3000:]
+    for _, out, _ in restored:
         lines.append([x for x in out.splitlines() if x.startswith("RESTORED")])
-    assert lines[0] == lines[1]  # the processes agree
+    assert lines[0] == lines[1], restored[0][1][-3000:]  # the processes agree
     assert lines[0] == [
         "RESTORED as_saved 14 local True",
         "RESTORED own_lost 14 peer True",
@@ -200,7 +279,41 @@ def test_two_processes_restore_from_own_peer_and_persistent_copies(tmp_path):
         "RESTORED node_lost 12 peer True",
         "RESTORED peer_deleted 10 persistent True",
     ]
-    assert "peer-of-0" in results[1][1] and "CRC-32" in results[1][1]  # the garbled copy, said
+    assert "peer-of-0" in restored[1][1] and "CRC-32" in restored[1][1]  # the garbled copy, said
+
+
+def test_a_failed_local_write_on_one_process_raises_on_every_process(two_process_jobs):
+    """Issue 50, defect 7a: process 1's background write failed; it used to raise alone
+    at the next save while process 0 waited for it in the exchange."""
+    _, _, restored = two_process_jobs
+    errors = [_failures(out)[0][1] for _, out, _ in restored]
+    assert errors[0] == errors[1], errors  # both raise, with the same words
+    assert errors[0].startswith("OSError: The local checkpoint tier's write of step 4 failed on ")
+    assert "process 1 (NotADirectoryError:" in errors[0] and "l-w/process-1/4" in errors[0]
+    assert "save of step 6" in errors[0] and "choose another local_directory" in errors[0]
+
+
+def test_a_peer_killed_mid_restore_ends_the_restore_with_what_to_do(two_process_jobs):
+    """Issue 50, defect 7c: process 1 is SIGKILLed mid-restore; process 0 raises at once
+    (it used to fail with gloo's bare error), saying what happened and what to do."""
+    _, saved, _ = two_process_jobs
+    [(seconds, error)] = _failures(saved[0][1])
+    assert seconds < 10, error
+    assert error.startswith("ConnectionError: Process 0 lost contact with another process")
+    assert "local checkpoint tier's restore" in error and "by peer" in error  # gloo's words
+    assert "died or was killed" in error and "restart the whole job" in error
+
+
+def test_a_peer_frozen_mid_restore_times_out_with_what_to_do(two_process_jobs):
+    """Issue 50, defect 7c: process 1 is SIGSTOPped mid-restore (a lost host sends
+    nothing either); process 0 gives up after the wait bound (2 s here) instead of
+    waiting until JAX's heartbeat timeout aborts it."""
+    _, _, restored = two_process_jobs
+    assert restored[0][0] == 0 and restored[1][0] == -9, restored[0][1][-3000:]
+    [_, (seconds, error)] = _failures(restored[0][1])
+    assert 2 <= seconds < 10, error
+    assert error.startswith("TimeoutError: Process 0 waited 2 s for the other processes")
+    assert "local checkpoint tier's restore" in error and "restart the whole job" in error
 
 
 def test_the_config_needs_backup_dir_local_dir_and_local_freq_together():

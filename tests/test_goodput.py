@@ -90,6 +90,7 @@ def test_report_accounts_for_a_failure_exactly(tmp_path):
         "checkpoint": 3.0,
         "evaluation": 1.0,
         "sync": 0.0,  # an island's outer exchange (none here)
+        "hang": 0.0,  # an island's wait for a peer past the round deadline (none here)
         "other": 0.0,
         "lost": 7 + 1 + 2,  # step, input and other after A's record of step 50
         "downtime": 5.0,  # A's last record (130) to B's process start (135)
@@ -100,6 +101,12 @@ def test_report_accounts_for_a_failure_exactly(tmp_path):
     assert [a.finished for a in r.attempts] == [False, True]
     table = r.table()
     assert "lost" in table and "goodput 45.0%" in table
+    # Issue 51: what the step count is, beside it (an estimate from the records).
+    assert table.endswith(
+        "(steps lost each: 30)\n(steps lost: from the step the next attempt resumed from to "
+        "the failed attempt's last ledger record; an estimate: a step is recorded when it is "
+        "dispatched, and steps after the last record, at most one interval's, are not seen)"
+    )
 
 
 def test_report_skips_a_torn_line_and_a_restart_from_nothing_loses_everything(tmp_path):
@@ -142,6 +149,19 @@ def test_report_skips_a_torn_line_and_a_restart_from_nothing_loses_everything(tm
 def test_report_errors_name_the_directory(tmp_path):
     with pytest.raises(FileNotFoundError, match="No goodput ledger at .*dt.callbacks.Goodput"):
         dt.goodput.report(tmp_path)
+    # Issue 51: a run of islands has a ledger per island, none at its top.
+    for island in (0, 1):
+        (tmp_path / f"island-{island}").mkdir()
+        (tmp_path / f"island-{island}" / FILENAME).write_text("")
+    with pytest.raises(
+        FileNotFoundError,
+        match=rf"No goodput ledger at {tmp_path}/goodput.jsonl: {tmp_path} is a run of islands, "
+        rf"and each island has its own ledger \({tmp_path}/island-0, {tmp_path}/island-1\)\. "
+        rf"Pass one island's directory, e\.g\. `distrain goodput {tmp_path}/island-0`\.",
+    ):
+        dt.goodput.report(tmp_path)
+    for island in (0, 1):
+        (tmp_path / f"island-{island}" / FILENAME).unlink()
     (tmp_path / FILENAME).write_text("not json\n")
     with pytest.raises(ValueError, match="holds no readable record"):
         dt.goodput.report(tmp_path)
@@ -187,6 +207,22 @@ def test_ledger_charges_the_innermost_phase_and_moves_compilation_out(tmp_path):
     Ledger(tmp_path / "other").close()
     with pytest.raises(ValueError, match="interval must be > 0"):
         Ledger(tmp_path / "third", interval=0)
+
+
+def test_ledger_moves_time_whose_cause_is_known_later(tmp_path):
+    # An island learns when its round closes that its barrier wait was for a hung peer.
+    ledger = Ledger(tmp_path / "run")
+    try:
+        with ledger.phase("sync"):
+            time.sleep(0.05)
+        sync = ledger.totals["sync"]
+        assert ledger.move(0.03, "sync", "hang") == 0.03
+        assert ledger.move(10.0, "sync", "hang") == pytest.approx(sync - 0.03)  # what it holds
+        assert ledger.totals["sync"] == 0 and ledger.totals["hang"] == pytest.approx(sync)
+        with pytest.raises(ValueError, match=r"Unknown goodput bucket in move\('sink'"):
+            ledger.move(1.0, "sink", "hang")
+    finally:
+        ledger.close()
 
 
 def _fit(strategy, workdir, epochs, callbacks=()):
@@ -267,9 +303,12 @@ def test_goodput_command_prints_the_table_and_writes_json_and_png(tmp_path):
     )
     assert out.returncode == 0, out.stderr
     assert "productive         8.0   80.0%" in out.stdout and "goodput 80.0%" in out.stdout
+    assert "steps lost:" not in out.stdout  # no failure: nothing to qualify
     figures = json.loads((tmp_path / "g.json").read_text())
     assert figures["goodput"] == 0.8 and figures["buckets_s"]["startup"] == 2
     assert (tmp_path / "g.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # Issue 51: it did not say that it wrote them.
+    assert out.stdout.endswith(f"wrote {tmp_path / 'g.json'}\nwrote {tmp_path / 'g.png'}\n")
 
     missing = subprocess.run(
         [*cmd[:2], str(tmp_path / "nope")], capture_output=True, text=True, timeout=120

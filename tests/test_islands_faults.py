@@ -8,7 +8,10 @@ committed rows by id.
 
 import json
 import os
+import re
+import shutil
 import signal
+import stat
 import subprocess
 import sys
 import threading
@@ -58,7 +61,7 @@ def _structure(params=PARAMS, treedef=TREEDEF):
 
 def _round(coord, island, token, after, grad_value):
     """One island's round: wait, lease, submit a constant pseudo-gradient."""
-    r, params, finished = coord.wait_round(island, token, after, timeout=10)
+    r, params, finished, _ = coord.wait_round(island, token, after, timeout=10)
     if finished:
         return r, None, True
     positions, _ = coord.lease(island, token, r, timeout=10)
@@ -122,7 +125,7 @@ def test_a_round_applies_the_row_weighted_mean_through_the_outer_optimizer(tmp_p
     coord.submit(0, t0, 0, [np.full_like(p, 1.0) for p in PARAMS])
     assert coord.status()["round"] == 0  # waits for island 1
     coord.submit(1, t1, 0, [np.full_like(p, 3.0) for p in PARAMS])
-    r, params, finished = coord.wait_round(0, t0, 0)
+    r, params, finished, _ = coord.wait_round(0, t0, 0)
     assert (r, finished) == (1, False)
     np.testing.assert_allclose(params[0], PARAMS[0] - 2.0)  # sgd(1.0) of the mean 2.0
     q0, _ = coord.lease(0, t0, 1)
@@ -130,7 +133,7 @@ def test_a_round_applies_the_row_weighted_mean_through_the_outer_optimizer(tmp_p
     assert (len(q0), len(q1)) == (2, 0)
     coord.submit(1, t1, 1, None)
     coord.submit(0, t0, 1, [np.full_like(p, 0.5) for p in PARAMS])
-    _, params, finished = coord.wait_round(1, t1, 1)
+    _, params, finished, _ = coord.wait_round(1, t1, 1)
     assert finished  # an island with no rows does not dilute the mean
     np.testing.assert_allclose(params[0], PARAMS[0] - 2.5)
     assert np.array_equal(np.sort(committed_rows(str(tmp_path / "run"))), np.arange(10))
@@ -195,7 +198,7 @@ def test_a_restarted_coordinator_resumes_its_checkpoint_and_old_tokens_rejoin(tm
     assert (steps0, steps1) == (4, 4)  # two applied rounds of 2 inner steps each
     _round(again, 0, n0, -1, 1.0)
     _round(again, 1, n1, -1, 1.0)
-    _, params, finished = again.wait_round(0, n0, 2)
+    _, params, finished, _ = again.wait_round(0, n0, 2)
     assert finished and np.array_equal(
         np.sort(committed_rows(str(tmp_path / "run"))), np.arange(20)
     )
@@ -252,6 +255,39 @@ def _round_trip_other_model(tmp_path):
     IslandCoordinator(_config(), other, TREEDEF, optax.sgd(1.0), str(tmp_path / "b" / "run"))
 
 
+def test_the_coordinator_starts_only_where_it_reads_the_islands_run_id(tmp_path):
+    """Issue 50, defect 6, in-process: Ray may start or restart the coordinator on a node
+    that does not see the run directory; there it found no checkpoint and silently
+    started the run over. It now refuses in one line unless it reads the id the islands
+    wrote, and it tells the last island to leave that the run is over."""
+    from distrain._src.islands import remote
+
+    run = tmp_path / "run"
+    rid = remote.run_id(str(run))
+    assert remote.run_id(str(run)) == rid and len(rid) == 32  # the first island's id stays
+    args = (_config(), PARAMS, TREEDEF, optax.sgd(1.0))
+    with pytest.raises(
+        remote.DirectoryNotShared,
+        match=r"does not see the run directory the islands write: the islands wrote run id "
+        rf"{rid} in run-id, and it finds no run-id file in \S*elsewhere\. Expected a "
+        "directory that every node",
+    ) as refused:
+        remote.RemoteCoordinator(*args, str(tmp_path / "elsewhere"), rid)
+    assert "\n" not in str(refused.value)
+    assert not (tmp_path / "elsewhere").exists()  # nothing started over there
+    coord = remote.RemoteCoordinator(*args, str(run), rid)
+    assert coord.check_directory(rid) is None
+    t0, t1 = coord.join(0, _structure())[0], coord.join(1, _structure())[0]
+    assert coord.leave(0, t0) is False and coord.leave(1, t1) is True  # the last one out
+    coord.stop()
+    # An island that reads another id (another node's directory at the same path) ...
+    assert "it finds run id " + rid in coord.check_directory("f" * 32)
+    # ... and one that started afresh in a wiped directory while this coordinator lived.
+    (run / "run-id").unlink()
+    stale = coord.check_directory(remote.run_id(str(run)))
+    assert "the coordinator of an earlier run" in stale and "ray.kill(ray.get_actor(" in stale
+
+
 def test_datasets_without_random_access_are_refused():
     def gen():
         yield {"x": np.zeros(3)}
@@ -275,19 +311,55 @@ def test_datasets_without_random_access_are_refused():
     assert n == 4 and take(np.array([3, 1]))["x"].tolist() == [[3, 3], [1, 1]]
 
 
-def test_a_joining_island_starts_from_the_global_params_and_a_fresh_optimizer():
+def test_a_joining_island_continues_the_learning_rate_schedule_with_fresh_moments():
+    """Issue 50, defect 1: an island joining at step 1500 of AdamW with warm-up and
+    cosine decay updated with the schedule's learning rate at step 0 (0.0, where its
+    peers use 2.45e-4): optax keeps a schedule's step in the optimizer state. Every count
+    goes on at the joining step; the moments are the initial ones."""
     import jax
     import jax.numpy as jnp
 
     import distrain as dt
     from distrain._src.islands.island import joined_state
 
-    initial = dt.TrainState.create(params={"w": jnp.zeros(2)}, tx=optax.adam(0.1))
-    state = joined_state(initial, {"w": np.full(2, 5.0, np.float32)}, step=40)
-    assert int(state.step) == 40 and state.params["w"].tolist() == [5.0, 5.0]
-    for got, want in zip(jax.tree.leaves(state.opt_state), jax.tree.leaves(initial.opt_state),
-                         strict=True):  # fmt: skip
-        np.testing.assert_array_equal(got, want)
+    schedule = optax.warmup_cosine_decay_schedule(0.0, 1e-3, 100, 2000, 1e-4)
+    params = {"w": np.full(2, 5.0, np.float32)}
+    grads = {"w": np.array([1.0, -2.0], np.float32)}
+
+    def joined(tx):
+        initial = dt.TrainState.create(params={"w": jnp.zeros(2)}, tx=tx)
+        return initial, joined_state(initial, params, step=1500)
+
+    # inject_hyperparams records the learning rate each update used.
+    tx = optax.inject_hyperparams(optax.adamw)(learning_rate=schedule)
+    _, state = joined(tx)
+    assert int(state.step) == 1500 and state.params["w"].tolist() == [5.0, 5.0]
+    _, after = tx.update(grads, state.opt_state, state.params)
+    assert float(after.hyperparams["learning_rate"]) == pytest.approx(2.4522e-4, rel=1e-4)
+    assert float(after.hyperparams["learning_rate"]) == pytest.approx(float(schedule(1500)))
+
+    # The recipe's plain AdamW: the first update is the one of a state whose counts
+    # (Adam's and the schedule's) were set by hand, with the initial moments.
+    tx = optax.adamw(schedule)
+    initial, state = joined(tx)
+    adam, decay, lr = initial.opt_state
+    count = jnp.asarray(1500, jnp.int32)
+    by_hand = (adam._replace(count=count), decay, lr._replace(count=count))
+    got, _ = tx.update(grads, state.opt_state, params)
+    want, _ = tx.update(grads, by_hand, params)
+    np.testing.assert_array_equal(got["w"], want["w"])
+    assert np.all(np.abs(got["w"]) > 1e-5)  # lr 0 (the reset warm-up) moves nothing
+    for got_m, want_m in zip(jax.tree.leaves(state.opt_state[0][1:]),
+                             jax.tree.leaves(initial.opt_state[0][1:]), strict=True):  # fmt: skip
+        np.testing.assert_array_equal(got_m, want_m)  # mu, nu: fresh
+
+    # Nested: a masked Adam keeps its count inside MaskedState.
+    _, state = joined(optax.chain(optax.masked(optax.adam(schedule), {"w": True})))
+    counts = [int(x) for p, x in jax.tree_util.tree_leaves_with_path(state.opt_state)
+              if jax.tree_util.keystr(p).endswith(".count")]  # fmt: skip
+    assert counts == [1500, 1500]
+    with pytest.raises(ValueError, match=r"optax.MultiSteps counts updates of k steps"):
+        joined(optax.MultiSteps(optax.adam(schedule), 2))
 
 
 def test_train_checks_its_arguments_before_it_connects(tmp_path, monkeypatch):
@@ -358,7 +430,8 @@ def _lines(path):
 def _run_with_kills(run, plan, extra=(), rows=2048, epochs=2):
     """Runs 2 islands of SCRIPT under `distrain launch --islands 2`; SIGKILLs
     ``plan``'s targets in turn ("island": island 1's process, "coordinator": the
-    coordinator actor's), each after the target's third round since it (re)started.
+    coordinator actor's), each after the target's third round since it (re)started;
+    "stop" SIGSTOPs island 1's process there instead (see `_hang`).
     Returns the launcher's exit status, its output, and the plan left undone."""
     cmd = [
         sys.executable, "-m", "distrain.cli", "launch", "--islands", "2", "--max-restarts", "3",
@@ -382,14 +455,18 @@ def _run_with_kills(run, plan, extra=(), rows=2048, epochs=2):
     try:
         deadline = time.time() + 240
         while plan and proc.poll() is None and time.time() < deadline:
-            path = run / ("island-1/timeline.jsonl" if plan[0] == "island" else "events.jsonl")
+            island_1 = plan[0] in ("island", "stop")
+            path = run / ("island-1/timeline.jsonl" if island_1 else "events.jsonl")
             events = _lines(path)
             starts = [e for e in events if e["event"] == "start"]
             if starts and starts[-1]["pid"] not in killed:
                 since = [e for e in events if e["event"] == "round" and e["t"] > starts[-1]["t"]]
                 if len(since) >= 3:
                     time.sleep(0.1)
-                    os.kill(starts[-1]["pid"], signal.SIGKILL)
+                    if plan[0] == "stop":
+                        _hang(run, starts[-1]["pid"])
+                    else:
+                        os.kill(starts[-1]["pid"], signal.SIGKILL)
                     killed.add(starts[-1]["pid"])
                     plan.pop(0)
             time.sleep(0.05)
@@ -401,6 +478,26 @@ def _run_with_kills(run, plan, extra=(), rows=2048, epochs=2):
     return code, "".join(out), plan
 
 
+def _hang(run, pid):
+    """SIGSTOPs island 1's process ``pid`` until the coordinator declared it hung and
+    island 0 closed a round without it (at most 30 s), then SIGCONTs it."""
+    stopped = time.time()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        deadline = stopped + 30
+        while time.time() < deadline:
+            events = [e for e in _lines(run / "events.jsonl") if e["t"] > stopped]
+            hung = [e for e in events if e["event"] == "dead" and e["island"] == 1 and e["hung"]]
+            if hung and any(
+                e["event"] == "round" and e["islands"] == [0] and e["t"] > hung[0]["t"]
+                for e in events
+            ):
+                break
+            time.sleep(0.05)
+    finally:
+        os.kill(pid, signal.SIGCONT)
+
+
 @pytest.mark.one_end("newest")  # ~40 s with a real Ray cluster: see tests/conftest.py
 def test_islands_survive_sigkills_of_an_island_and_the_coordinator(tmp_path):
     """Two islands; island 1 is SIGKILLed twice mid-run, the coordinator's actor process
@@ -410,13 +507,18 @@ def test_islands_survive_sigkills_of_an_island_and_the_coordinator(tmp_path):
     run = tmp_path / "run"
     code, log, left = _run_with_kills(run, ["island", "coordinator", "island"])
     assert code == 0 and not left, log[-4000:]
+    # Issue 51: only the killed island restarts, and the launcher says so.
+    assert "[launch] island 1 process 0 was killed by SIGKILL; the other islands go on" in log
+    assert "other processes" not in log
     positions = np.sort(committed_rows(str(run)))
     assert np.array_equal(positions, np.arange(2048 * 2)), "rows lost or duplicated"
     events = _lines(run / "events.jsonl")
-    assert [e["restored_round"] is not None for e in events if e["event"] == "start"] == [
-        False,
-        True,
-    ]
+    restored = [e["restored_round"] for e in events if e["event"] == "start"]
+    assert restored[0] is None and restored[1] is not None  # Ray restarted the killed one
+    # One more only if island 1's last restart came after the run ended (the last island
+    # out ended the coordinator): a fresh one, from the final checkpoint.
+    final = 1 + max(e["round"] for e in events if e["event"] == "round")
+    assert len(restored) <= 3 and all(r == final for r in restored[2:]), restored
     assert any(e["event"] == "dead" and e["island"] == 1 for e in events)
     starts = {i: [e for e in _lines(run / f"island-{i}/timeline.jsonl") if e["event"] == "start"]
               for i in (0, 1)}  # fmt: skip
@@ -427,6 +529,32 @@ def test_islands_survive_sigkills_of_an_island_and_the_coordinator(tmp_path):
     g0, g1 = report(run / "island-0"), report(run / "island-1")
     assert g0.buckets_s["downtime"] == 0 and g1.buckets_s["downtime"] > 0
     assert g0.buckets_s["sync"] > 0 and len(g1.attempts) == 3
+
+
+@pytest.mark.one_end("newest")  # ~25 s with a real Ray cluster: see tests/conftest.py
+def test_a_sigstopped_island_is_hung_at_the_round_deadline_and_the_other_goes_on(tmp_path):
+    """Issue 50, defect 4: a hung island stalled every round forever. Island 1 is
+    SIGSTOPped after its third round; with death_timeout=60 s only the round deadline
+    (round_timeout=3 s) ends the wait for it. Island 0 goes on alone; island 1, continued,
+    is told to rejoin and finishes in the same process; every row is committed once, and
+    island 0's goodput ledger charges its wait to the hang bucket."""
+    run = tmp_path / "run"
+    extra = ["--death-timeout", "60", "--round-timeout", "3"]
+    code, log, left = _run_with_kills(run, ["stop"], extra=extra, rows=1024, epochs=1)
+    assert code == 0 and not left, log[-4000:]
+    assert np.array_equal(np.sort(committed_rows(str(run))), np.arange(1024))
+    events = _lines(run / "events.jsonl")
+    dead = [e for e in events if e["event"] == "dead"]
+    assert [(e["island"], e["hung"]) for e in dead] == [(1, True)], dead
+    assert "the round deadline" in dead[0]["why"]
+    alone = [e for e in events if e["event"] == "round" and e["t"] > dead[0]["t"]]
+    assert alone and alone[0]["islands"] == [0]  # the survivor went on without it
+    assert 1.0 < alone[0]["hang_s"] <= 3.5
+    timeline = _lines(run / "island-1/timeline.jsonl")
+    assert [e["event"] for e in timeline].count("start") == 1  # continued, not restarted
+    assert any(e["event"] == "rejoin" and "round deadline" in e["why"] for e in timeline)
+    g0 = report(run / "island-0")
+    assert g0.buckets_s["hang"] == pytest.approx(alone[0]["hang_s"], abs=0.05)
 
 
 @pytest.mark.one_end("newest")  # ~30 s with a real Ray cluster: see tests/conftest.py
@@ -441,6 +569,108 @@ def test_async_islands_survive_a_sigkill_with_every_row_once(tmp_path):
     assert max(staleness) >= 1  # the islands did not wait for each other
     result = json.loads((run / "island-0/result.json").read_text())
     np.testing.assert_allclose(result["w"], result["w_true"], atol=0.05)
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    import ray
+
+    from distrain._src.ps.ray_backend import connect
+
+    assert connect(None), "Ray was already running; this module starts its own"
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.one_end("newest")  # a local Ray and two actors: see tests/conftest.py
+def test_a_run_directory_the_actor_resolves_elsewhere_is_refused_in_one_line(
+    local_ray, tmp_path, monkeypatch
+):
+    """Issue 50, defect 6, with real actors: a relative directory, which the actor
+    resolves in its own working directory, stands for a node that does not see the
+    islands' directory. The actor does not start (it started the run over there). Also
+    the proxy's other ways out: a coordinator ended under it, one that fails to start."""
+    from distrain._src.islands import remote
+
+    monkeypatch.chdir(tmp_path)  # the island's working directory; the actor keeps Ray's
+    name = remote.actor_name("run")
+    args = (_config(), PARAMS, TREEDEF, optax.sgd(1.0), "run")
+    with pytest.raises(
+        ValueError,
+        match=r"^the islands' coordinator \(node 127\.0\.0\.1\) "
+        r"does not see the run directory .* finds no run-id file in /",
+    ) as e:
+        remote.coordinator(name, args, timeout=60)
+    assert "\n" not in str(e.value) and str(tmp_path) not in str(e.value)
+    assert (tmp_path / "run" / "run-id").is_file()  # what the island wrote
+    with pytest.raises(ValueError, match="Failed to look up actor"):
+        local_ray.get_actor(name, namespace=remote.NAMESPACE)
+
+    # An island whose coordinator was ended (by the last island of the run, as this one
+    # joined) finds a new one instead of calling the dead actor forever.
+    args = (*args[:-1], str(tmp_path / "run"))
+    coord = remote.coordinator(remote.actor_name(args[-1]), args, timeout=60)
+    ended = coord.handle
+    coord.kill()
+    deadline = time.time() + 30
+    while time.time() < deadline:  # until Ray forgot its name: it is dead
+        try:
+            local_ray.get_actor(remote.actor_name(args[-1]), namespace=remote.NAMESPACE)
+        except ValueError:
+            break
+        time.sleep(0.05)
+    with pytest.raises(RejoinRequired, match="the coordinator restarted"):
+        coord("status")
+    assert coord.retry(lambda: coord("status"))["round"] == 0 and coord.handle is not ended
+    coord.kill()
+
+    # A coordinator that fails to start for another reason says why, whole.
+    b = _coordinator(tmp_path / "b")  # a checkpoint of PARAMS after one round
+    t0, t1 = b.join(0, _structure())[0], b.join(1, _structure())[0]
+    _round(b, 0, t0, -1, 1.0)
+    _round(b, 1, t1, -1, 1.0)
+    b.stop()
+    other = [np.zeros((4,), np.float32), PARAMS[1]]
+    args = (_config(), other, TREEDEF, optax.sgd(1.0), str(tmp_path / "b" / "run"))
+    with pytest.raises(RuntimeError, match=r"(?s)coordinator failed to start: .*holds a "
+                       "checkpoint of another model"):  # fmt: skip
+        remote.coordinator(remote.actor_name(args[-1]), args, timeout=60)
+
+
+@pytest.mark.one_end("newest")  # a local Ray and two actors: see tests/conftest.py
+def test_a_rerun_in_the_same_directory_gets_a_fresh_coordinator(local_ray, tmp_path):
+    """Issue 50, defect 6: the detached actor outlived its run, and a rerun in the same
+    (wiped) directory attached to it: the old run's configuration won, and the rerun got
+    the old final parameters back without training. The last island out now ends it."""
+    import jax
+    import jax.numpy as jnp
+
+    import distrain as dt
+    from distrain._src.islands import remote
+
+    def step(state, batch):
+        def loss(p):
+            return dt.compute_average_loss(jnp.sum((batch["x"] - p["w"]) ** 2, axis=-1))
+
+        return state.apply_gradients(grads=jax.grad(loss)(state.params)), {}
+
+    state = dt.TrainState.create(params={"w": jnp.zeros(2)}, tx=optax.sgd(0.1))
+    data = {"x": np.ones((16, 2), np.float32)}  # 2 steps of 8 rows (8 replicas)
+    run = tmp_path / "run"
+
+    def train(sync_every):
+        return dt.experimental.islands.train(
+            step, state, data, batch_size=8, sync_every=sync_every, directory=str(run),
+            island=0, islands=1, seed=None,
+        ).rounds  # fmt: skip
+
+    assert train(sync_every=2) == 1
+    with pytest.raises(ValueError, match="Failed to look up actor"):
+        local_ray.get_actor(remote.actor_name(str(run)), namespace=remote.NAMESPACE)
+    shutil.rmtree(run)
+    assert train(sync_every=1) == 2  # its own sync_every: before, 0 (the old actor's end)
 
 
 # ------------------------------------------------------------------ asynchronous mode
@@ -476,8 +706,8 @@ def test_async_applies_on_arrival_discards_stale_work_and_loses_no_row(tmp_path)
     coord = _coordinator(tmp_path, mode="async", max_staleness=0, num_rows=12)
     t0, t1 = coord.join(0, _structure())[0], coord.join(1, _structure())[0]
     # Both pull version 0; island 0's arrival is applied at once (no barrier) ...
-    r0, _, _ = coord.wait_round(0, t0, -1)
-    r1, _, _ = coord.wait_round(1, t1, -1)
+    r0, _, _, _ = coord.wait_round(0, t0, -1)
+    r1, _, _, _ = coord.wait_round(1, t1, -1)
     a, _ = coord.lease(0, t0, r0)
     b, _ = coord.lease(1, t1, r1)
     assert coord.submit(0, t0, r0, [np.full_like(p, 1.0) for p in PARAMS]) is True
@@ -490,7 +720,7 @@ def test_async_applies_on_arrival_discards_stale_work_and_loses_no_row(tmp_path)
     after = {0: r0, 1: r1}
     while not coord.status()["finished"]:
         for i, t in ((0, t0), (1, t1)):  # in turn: never stale
-            r, _, finished = coord.wait_round(i, t, after[i])
+            r, _, finished, _ = coord.wait_round(i, t, after[i])
             if finished:
                 break
             positions, _ = coord.lease(i, t, r, timeout=0.1) or (None, None)
@@ -525,14 +755,20 @@ def test_without_ray_both_sides_name_the_extra(monkeypatch):
     assert "pip install 'distrain[ray]'" in proc.stderr
 
 
-@pytest.mark.one_end("newest")  # ~20 s with a real Ray cluster: see tests/conftest.py
+@pytest.mark.one_end("newest")  # ~30 s with a real Ray cluster: see tests/conftest.py
 def test_sigterm_to_the_launcher_stops_every_island_and_the_ray_head(tmp_path):
+    """SIGTERM to the launcher (what Ctrl-C does too) stops every island and the Ray head;
+    the islands exit on the launcher's SIGTERM, within the grace period (issue 51: they
+    were SIGKILLed, and the launcher blamed that SIGKILL on them). The same command run
+    again says where it continues, and trains every row once."""
     run = tmp_path / "run"
     cmd = [
         sys.executable, "-m", "distrain.cli", "launch", "--islands", "2", "--max-restarts", "3",
-        "--", sys.executable, str(SCRIPT), str(run), "--rows", "100000", "--step-sleep", "0.05",
+        "--grace-period", "60", "--", sys.executable, str(SCRIPT), str(run), "--rows", "4096",
+        "--epochs", "1",
     ]  # fmt: skip
-    proc = subprocess.Popen(cmd, env={**os.environ, "PYTHONPATH": str(ROOT)},
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([*cmd, "--step-sleep", "0.05"], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)  # fmt: skip
     try:
@@ -544,13 +780,17 @@ def test_sigterm_to_the_launcher_stops_every_island_and_the_ray_head(tmp_path):
             time.sleep(0.2)
         pids = [_lines(run / f"island-{i}/timeline.jsonl")[0]["pid"] for i in (0, 1)]
         coordinator = _lines(run / "events.jsonl")[0]["pid"]
+        temp_dir = _ray_temp_dir(proc.pid)
         proc.send_signal(signal.SIGTERM)
-        out, _ = proc.communicate(timeout=60)
+        out, _ = proc.communicate(timeout=40)  # < --grace-period: no island was SIGKILLed
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
     assert proc.returncode == 130 and "interrupted; all islands stopped" in out, out[-3000:]
+    assert f"island 0 process 0 is pid {pids[0]}" in out  # to `kill -9` one by hand
+    for noise in ("killed by", "SIGTERM received", "Connecting to existing Ray cluster"):
+        assert noise not in out, out[-3000:]
 
     def running(pid):  # a zombie waiting for init to reap it counts as gone
         try:
@@ -564,3 +804,33 @@ def test_sigterm_to_the_launcher_stops_every_island_and_the_ray_head(tmp_path):
     while (alive := [n for n, pid in named.items() if running(pid)]) and time.time() < deadline:
         time.sleep(0.2)
     assert not alive, f"{alive} outlived the launcher"  # nor any Ray worker
+    # The head's files (its sockets, its logs) were in a private directory: mode 0700,
+    # a name nobody could create first (not distrain-ray-PORT), removed at the end.
+    assert temp_dir["mode"] == 0o700 and temp_dir["uid"] == os.getuid(), temp_dir
+    assert re.fullmatch(r"distrain-ray-\w{8}", os.path.basename(temp_dir["path"])), temp_dir
+    assert not os.path.exists(temp_dir["path"])
+    # The same command again continues from the coordinator's last round, and says so.
+    again = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stdout[-3000:] + again.stderr[-3000:]
+    rounds = re.findall(rf"island \d: continuing the run in {run} at round (\d+)", again.stdout)
+    assert len(rounds) == 2 and min(map(int, rounds)) > 0, again.stdout[-3000:]
+    assert np.array_equal(np.sort(committed_rows(str(run))), np.arange(4096))
+
+
+def _ray_temp_dir(launcher: int) -> dict:
+    """The directory that holds the --temp-dir of the `ray start --head` that
+    ``launcher`` started (Ray makes its own world-writable), with its mode and owner."""
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open(f"/proc/{name}/cmdline", "rb") as f:
+                argv = f.read().decode().split("\0")
+        except OSError:
+            continue
+        found = [a.split("=", 1)[1] for a in argv if a.startswith("--temp-dir=")]
+        if ppid == launcher and found:
+            path = os.path.dirname(found[0])
+            st = os.stat(path)
+            return {"path": path, "mode": stat.S_IMODE(st.st_mode), "uid": st.st_uid}
+    raise AssertionError(f"no `ray start --temp-dir=...` process among {launcher}'s children")

@@ -6,12 +6,21 @@ directory (``--dir``): a persistent save every 10 steps, a local one every 2.
 
 ``--save N`` trains N steps (the state after step k is ``w0 + k`` replicated,
 ``s0 + 2k`` sharded by rows over all 8 devices, a PRNG key and a host array ``k``),
-waits for the writes, prints ``SAVED`` and SIGKILLs itself.
+waits for the writes and prints ``SAVED``. Then both restore, and process 1 is
+SIGKILLed in the middle (after the tier's first collective): process 0 prints
+``FAILED <seconds> <error>`` and SIGKILLs itself, leaving the files as a crash would.
 
 ``--scenarios`` restores, changes the local tier between restores as the test's
 scenarios say (one process deletes or garbles files, then both meet at a barrier),
 and prints ``RESTORED <scenario> <step> <source> <ok>`` for each, ``ok`` saying whether
-the state, data position and metadata are exactly those saved at that step.
+the state, data position and metadata are exactly those saved at that step. Then, in
+another local directory, process 1's write of step 4 fails (a file stands where the
+step's directory goes) and both print ``FAILED <seconds> <error>`` from the next save.
+Last, both restore with a 2 s wait bound and process 1 SIGSTOPs itself in the middle:
+process 0 prints ``FAILED <seconds> <error>``, SIGKILLs process 1 and exits.
+
+The SIGKILL and SIGSTOP land right after the tier's first collective of the restore:
+the script wraps ``local._gather`` to send them (the only place it reaches inside).
 """
 
 import argparse
@@ -19,6 +28,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 
 
 def main() -> int:
@@ -47,6 +57,7 @@ def main() -> int:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
+    from distrain._src.checkpoint import local as local_tier
     from distrain.checkpoint import CheckpointManager
 
     mesh = jax.make_mesh((8,), ("d",), devices=jax.devices())
@@ -72,21 +83,49 @@ def main() -> int:
 
         return all(np.array_equal(x, y) for x, y in zip(values(a), values(b), strict=True))
 
-    def manager():
+    def manager(local=args.local, persistent=args.dir):
         return CheckpointManager(
-            args.dir,
+            persistent,
             save_interval_steps=10,
-            local_directory=args.local,
+            local_directory=local,
             local_save_interval_steps=2,
         )
 
     me = jax.process_index()
+
+    def stop_after_first_collective(sig):
+        """Process 1 gets ``sig`` right after the local tier's next collective returns."""
+        real = local_tier._gather
+
+        def gather(*a, **kw):
+            out = real(*a, **kw)
+            os.kill(os.getpid(), sig)
+            return out
+
+        if me == 1:
+            local_tier._gather = gather
+
+    def failed(what):
+        """Runs ``what``; prints ``FAILED <seconds> <error>`` (one line) if it raises."""
+        began = time.monotonic()
+        try:
+            what()
+        except Exception as e:  # noqa: BLE001 - the test reads the type and message
+            text = f"{type(e).__name__}: {e}".replace("\n", " ")
+            print(f"FAILED {time.monotonic() - began:.1f} {text}", flush=True)
+            return True
+        print("NOT FAILED", flush=True)
+        return False
+
     if args.save:
         mgr = manager()
         for k in range(1, args.save + 1):
             mgr.save(k, state_at(k), data_state={"pos": k}, metadata={"k": k})
         mgr.wait_until_finished()
         print("SAVED", flush=True)
+        multihost_utils.sync_global_devices("saved")
+        stop_after_first_collective(signal.SIGKILL)
+        failed(lambda: manager().restore(target=state_at(0)))
         os.kill(os.getpid(), signal.SIGKILL)
 
     local = os.path.join(args.local, f"process-{me}")
@@ -124,7 +163,35 @@ def main() -> int:
         )
         print(f"RESTORED {name} {r.step} {mgr.restored_from} {ok}", flush=True)
         mgr.close()
-    return 0
+
+    # Process 1's background write of step 4 fails: every process must raise at the next
+    # save (before: process 1 alone raised, process 0 waited in the exchange).
+    # (Other directories: nothing persistent, so that the restore below uses the tier.)
+    other = (args.local + "-w", args.dir + "-w")
+    broken = os.path.join(other[0], f"process-{me}")
+    mgr = manager(*other)
+    mgr.save_local(2, state_at(2))
+    mgr.wait_until_finished()
+    if me == 1:
+        with open(os.path.join(broken, "4"), "w") as f:  # where step 4's directory goes
+            f.write("not a directory")
+    multihost_utils.sync_global_devices("broken")
+    mgr.save_local(4, state_at(4))
+    failed(lambda: mgr.save_local(6, state_at(6)))
+    multihost_utils.sync_global_devices("write failed")
+
+    # Process 1 freezes mid-restore: process 0 gives up after the wait bound.
+    local_tier.WAIT_SECONDS = 2.0
+    pid_file = os.path.join(other[0], "frozen.pid")
+    if me == 1:
+        with open(pid_file, "w") as f:
+            f.write(str(os.getpid()))
+    multihost_utils.sync_global_devices("frozen next")
+    stop_after_first_collective(signal.SIGSTOP)  # process 0 then sends step 4 to process 1
+    failed(lambda: manager(*other).restore(target=state_at(0)))
+    with open(pid_file) as f:
+        os.kill(int(f.read()), signal.SIGKILL)
+    os._exit(0)  # JAX's shutdown barrier would wait for the killed process
 
 
 if __name__ == "__main__":

@@ -3,7 +3,7 @@
 A linear regression on 1,024 rows whose inputs carry their row id, so the rows each
 island trained can be checked. Arguments: DIRECTORY [--epochs E] [--sync-every H]
 [--batch B] [--death-timeout S] [--step-sleep S] [--min-islands M] [--mode async]
-[--max-staleness K].
+[--max-staleness K] [--round-timeout S].
 """
 
 import argparse
@@ -30,6 +30,7 @@ p.add_argument("--min-islands", type=int, default=1)
 p.add_argument("--features", type=int, default=4)
 p.add_argument("--mode", default="sync")
 p.add_argument("--max-staleness", type=int, default=None)
+p.add_argument("--round-timeout", type=float, default=None)
 args = p.parse_args()
 
 rng = np.random.default_rng(0)
@@ -72,6 +73,7 @@ result = dt.experimental.islands.train(
     min_islands_timeout=60.0,
     mode=args.mode,
     max_staleness=args.max_staleness,
+    round_timeout=args.round_timeout,
 )
 with open(os.path.join(args.directory, f"island-{island}", "result.json"), "w") as f:
     json.dump(

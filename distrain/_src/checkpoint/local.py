@@ -16,8 +16,13 @@ so the tier restores onto the same placement only: when the target's device layo
 differs from the saved one (another device or process count, another sharding), the
 tier is ignored, with a message, and the persistent checkpoints are used.
 
-The bytes travel between processes as one ``ppermute`` over a mesh of one device per
-process: the accelerator network on GPUs and TPUs, gloo on CPU. Nothing but JAX.
+The bytes travel between processes by ``ppermute`` over a mesh of one device per
+process (the accelerator network on GPUs and TPUs, gloo on CPU; nothing but JAX), in
+chunks of ``CHUNK_BYTES``: a device holds one chunk and the one it receives, whatever
+the state's size. No process ever fails alone in a collective of the tier: a
+background write that failed raises on every process at the next save (naming the
+process and why), and a process whose peer died (gloo's error, at once) or stopped
+answering (after ``WAIT_SECONDS``) raises, saying so, instead of waiting forever.
 
 This module is used by :class:`~distrain.checkpoint.CheckpointManager`
 (``local_directory=``); it has no public entry point of its own.
@@ -25,6 +30,9 @@ This module is used by :class:`~distrain.checkpoint.CheckpointManager`
 
 from __future__ import annotations
 
+import bisect
+import functools
+import itertools
 import json
 import os
 import shutil
@@ -33,8 +41,8 @@ import threading
 import uuid
 import warnings
 import zlib
-from collections.abc import Sequence
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -51,6 +59,16 @@ from distrain._src.validate import positive_int
 FORMAT = "distrain.local/1"
 _SLOTS = 8  # steps each process reports at restore (keep is at most this)
 _MIB = 1 << 20
+# Bytes per collective of the exchange: what it stages on a device, and receives,
+# whatever the state's size (a whole state and as much received, before issue 50).
+CHUNK_BYTES = 64 * _MIB
+# Seconds a process waits for the others in one collective of the tier. A killed peer
+# is noticed at once (gloo's error); this bounds one that froze, lost its host or is
+# stuck (a slow disk), which would otherwise hold the others until JAX's heartbeat
+# timeout aborts them, or forever if it still sends heartbeats.
+WAIT_SECONDS = 600.0
+_MESSAGE_BYTES = 512  # of a failed write's message, sent to every process
+_T = TypeVar("_T")
 
 
 class LocalRestore(NamedTuple):
@@ -120,11 +138,10 @@ def _pack(
     return manifest, chunks
 
 
-def _to_blob(manifest: dict, chunks: list[np.ndarray]) -> np.ndarray:
+def _head(manifest: dict) -> np.ndarray:
+    """The bytes that precede the arrays in an exchange: length, then the manifest."""
     head = json.dumps(manifest).encode()
-    return np.concatenate(
-        [np.frombuffer(len(head).to_bytes(8, "little") + head, np.uint8), *chunks]
-    )
+    return np.frombuffer(len(head).to_bytes(8, "little") + head, np.uint8)
 
 
 def _from_blob(blob: np.ndarray) -> tuple[dict, memoryview]:
@@ -267,18 +284,29 @@ def _process_devices() -> list[jax.Device]:
 _shifters: dict[tuple, Any] = {}
 
 
-def exchange(blob: np.ndarray, pairs: Sequence[tuple[int, int]]) -> np.ndarray | None:
-    """Sends ``blob`` along ``pairs`` (source, destination process); all processes call it.
+def exchange(
+    parts: Sequence[np.ndarray],
+    pairs: Sequence[tuple[int, int]],
+    what: str,
+    lengths: np.ndarray | None = None,
+    chunk_bytes: int = CHUNK_BYTES,
+) -> np.ndarray | None:
+    """Sends the bytes of ``parts`` (1-D uint8 arrays, end to end) along ``pairs``
+    (source, destination process), ``chunk_bytes`` at a time; all processes call it.
 
-    Returns the bytes this process received, or None if it is no destination.
+    ``what`` names the operation in errors; ``lengths``, every process's byte count,
+    saves a collective when the caller has it. Returns the bytes this process
+    received, or None if it is no destination.
     """
     n, me = jax.process_count(), jax.process_index()
-    lengths = _gather([blob.size])[:, 0]
-    # Rounded up to whole MiB: metadata that grows a little (the history) reuses the
-    # compiled shift, without the up-to-2x padding of a power of two.
-    size = max(1, -(-int(lengths.max()) // _MIB)) * _MIB
+    if lengths is None:
+        lengths = _gather([sum(p.size for p in parts)], what)[:, 0]
+    longest = int(lengths.max())
+    # Up to whole MiB below a chunk: metadata that grows a little (the history) reuses
+    # the compiled shift, without the up-to-2x padding of a power of two.
+    chunk = min(chunk_bytes, max(1, -(-longest // _MIB)) * _MIB)
     devices = _process_devices()
-    key = (tuple(d.id for d in devices), tuple(pairs), size)
+    key = (tuple(d.id for d in devices), tuple(pairs), chunk)
     if key not in _shifters:
         mesh = Mesh(np.asarray(devices), ("process",))
         shift = jax.shard_map(
@@ -289,21 +317,45 @@ def exchange(blob: np.ndarray, pairs: Sequence[tuple[int, int]]) -> np.ndarray |
         )
         _shifters[key] = (jax.jit(shift), NamedSharding(mesh, P("process")))
     shift, sharding = _shifters[key]
-    local = np.empty((1, size), np.uint8)
-    local[0, : blob.size] = blob
-    local[0, blob.size :] = 0
-    x = jax.make_array_from_single_device_arrays(
-        (n, size), sharding, [jax.device_put(local, devices[me])]
-    )
-    received = np.asarray(shift(x).addressable_shards[0].data)[0]
     source = [s for s, d in pairs if d == me]
-    return received[: lengths[source[0]]] if source else None  # a host copy already
+    received = np.empty(int(lengths[source[0]]), np.uint8) if source else None
+    ends = list(itertools.accumulate(p.size for p in parts))
+    staging = np.empty((1, chunk), np.uint8)
+    for start in range(0, longest, chunk):  # as many on every process: `longest` is shared
+        _fill(staging[0], parts, ends, start)
+        x = jax.make_array_from_single_device_arrays(
+            (n, chunk), sharding, [jax.device_put(staging, devices[me])]
+        )
+        # Dispatched in the bounded thread too: XLA:CPU may run a collective inline.
+        y = _bounded(functools.partial(_run, shift, x), what)
+        if received is not None and start < received.size:
+            m = min(chunk, received.size - start)
+            received[start : start + m] = np.asarray(y.addressable_data(0))[0, :m]
+        del x, y  # before the next chunk's buffers, not after
+    return received
 
 
-def peer_shift() -> int:
+def _run(fn: Callable[[jax.Array], jax.Array], x: jax.Array) -> jax.Array:
+    return fn(x).block_until_ready()
+
+
+def _fill(dest: np.ndarray, parts: Sequence[np.ndarray], ends: list[int], start: int) -> None:
+    """Copies bytes ``start:start + dest.size`` of ``parts`` laid end to end (``ends``:
+    where each part ends) into ``dest``, and zeros past their end."""
+    filled, i = 0, bisect.bisect_right(ends, start)  # the part that holds byte `start`
+    while filled < dest.size and i < len(parts):
+        lo = start + filled - (ends[i] - parts[i].size)
+        m = min(parts[i].size - lo, dest.size - filled)
+        dest[filled : filled + m] = parts[i][lo : lo + m]
+        filled += m
+        i += 1
+    dest[filled:] = 0
+
+
+def peer_shift(what: str) -> int:
     """The ring offset to a process on another host (1 when all share one host)."""
     n = jax.process_count()
-    hosts = _gather([zlib.crc32(socket.gethostname().encode())])[:, 0]
+    hosts = _gather([zlib.crc32(socket.gethostname().encode())], what)[:, 0]
     for k in range(1, n):
         if all(hosts[(p + k) % n] != hosts[p] for p in range(n)):
             return k
@@ -320,7 +372,7 @@ class LocalTier:
         self.keep = max_to_keep
         self.own = directory / f"process-{jax.process_index()}"
         self._thread: threading.Thread | None = None
-        self._error: BaseException | None = None
+        self._failed: tuple[int, BaseException] | None = None  # a write's step and error
         self._shift: int | None = None
         for leftover in self.own.glob(".*.tmp-*") if self.own.exists() else []:
             shutil.rmtree(leftover, ignore_errors=True)  # a process killed mid-write
@@ -328,16 +380,37 @@ class LocalTier:
     # ------------------------------------------------------------------ save
     def save(self, step: int, state: PyTree, data_json: Any, meta_json: Any) -> None:
         """Copies this process's shards to the host, sends them to the peer, and writes
-        both copies in the background. All processes call it together."""
-        self.wait_until_finished()
+        both copies in the background. All processes call it together.
+
+        Raises:
+          OSError: on every process, if the previous background write failed on any
+            (this step is not saved); names each such process and why.
+        """
+        self._join()
+        failed, self._failed = self._failed, None
+        mine = "" if failed is None else _failure(failed)
         manifest, chunks = _pack(step, state, data_json, meta_json)
-        peer: tuple[int, np.ndarray] | None = None
         n = jax.process_count()
+        parts = [_head(manifest), *chunks] if n > 1 else []
+        what = f"the local checkpoint tier's save of step {step}"
+        # One collective tells every process both the sizes to exchange and whether a
+        # write failed anywhere: all raise together, none waits for one that raised.
+        status = _gather([sum(p.size for p in parts), *_encode(mine)], what)
+        failures = [text for text in (_decode(row[1:]) for row in status) if text]
+        if failures:
+            raise OSError(
+                f"The local checkpoint tier's {'; '.join(failures)}, so every process raises "
+                f"this at the save of step {step}. The persistent checkpoints are unaffected; "
+                "make the local directory named there writable (free space) or choose another "
+                "local_directory."
+            ) from (None if failed is None else failed[1])
+        peer: tuple[int, np.ndarray] | None = None
         if n > 1:
             if self._shift is None:
-                self._shift = peer_shift()
+                self._shift = peer_shift(what)
             k = self._shift
-            got = exchange(_to_blob(manifest, chunks), [(p, (p + k) % n) for p in range(n)])
+            pairs = [(p, (p + k) % n) for p in range(n)]
+            got = exchange(parts, pairs, what, lengths=status[:, 0])
             assert got is not None  # every process is a destination of the ring
             peer = ((jax.process_index() - k) % n, got)
 
@@ -352,22 +425,28 @@ class LocalTier:
                     head, arrays = _from_blob(blob)
                     _write_step(self.own / f"peer-of-{source}", step, head, [arrays], self.keep)
             except BaseException as e:  # noqa: BLE001 - raised by the next save or wait
-                self._error = e
+                self._failed = (step, e)
 
         self._thread = threading.Thread(target=write, name="distrain-local-save", daemon=True)
         self._thread.start()
 
-    def wait_until_finished(self) -> None:
+    def _join(self) -> None:
+        """Waits for the background write. Its error, if any, stays for the next save:
+        raised here, on this process alone, it would leave the others waiting."""
         thread, self._thread = self._thread, None
         if thread is not None:
             thread.join()
-        error, self._error = self._error, None
-        if error is not None:
+
+    def wait_until_finished(self) -> None:
+        """Waits for the background write; raises its error (this process's only)."""
+        self._join()
+        failed, self._failed = self._failed, None
+        if failed is not None:
             raise OSError(
-                f"The local checkpoint tier could not write to {self.own} "
-                f"({type(error).__name__}: {error}). The persistent checkpoints are unaffected; "
-                "free space there or choose another local_directory."
-            ) from error
+                f"The local checkpoint tier's {_failure(failed)}. The persistent checkpoints "
+                "are unaffected; make the local directory named there writable (free space) or "
+                "choose another local_directory."
+            ) from failed[1]
 
     # --------------------------------------------------------------- restore
     def _scan(self, parent: epath.Path, what: str) -> list[int]:
@@ -388,8 +467,14 @@ class LocalTier:
 
     def restore(self, target: PyTree, newer_than: int | None) -> LocalRestore | None:
         """The newest step every process can restore from the tier, if newer than
-        ``newer_than`` and placed as ``target`` is; None otherwise. Collective."""
-        self.wait_until_finished()
+        ``newer_than`` and placed as ``target`` is; None otherwise. Collective.
+
+        Raises:
+          ConnectionError: another process died during the restore.
+          TimeoutError: another process did not answer within ``WAIT_SECONDS``.
+        """
+        self._join()
+        what = "the local checkpoint tier's restore"
         n, me = jax.process_count(), jax.process_index()
         own = self._scan(self.own, "this process's copy")
         reason = None
@@ -399,7 +484,7 @@ class LocalTier:
         peers = sorted(self.own.glob("peer-of-*")) if self.own.exists() else []
         source = int(peers[0].name.removeprefix("peer-of-")) if peers else -1
         held = self._scan(peers[0], f"the copy of process {source}") if peers else []
-        views = _gather([0 if reason is None else 1, source, *_pad(own), *_pad(held)])
+        views = _gather([0 if reason is None else 1, source, *_pad(own), *_pad(held)], what)
         if views[:, 0].any():
             who = int(np.argmax(views[:, 0]))
             if reason is None:
@@ -433,12 +518,12 @@ class LocalTier:
         if step in owns[me]:
             copy = _try_read(self.own / str(step))
         if pairs:
-            blob = np.zeros(0, np.uint8)
+            parts: list[np.ndarray] = []
             if any(src == me for src, _ in pairs):
                 c = _try_read(peers[0] / str(step))
                 if c is not None:
-                    blob = _to_blob(c.manifest, [np.frombuffer(c.arrays, np.uint8)])
-            got = exchange(blob, pairs)
+                    parts = [_head(c.manifest), np.frombuffer(c.arrays, np.uint8)]
+            got = exchange(parts, pairs, what)
             if got is not None and got.size:
                 head, arrays = _from_blob(got)
                 try:
@@ -449,7 +534,7 @@ class LocalTier:
         if copy is not None:
             # A copy from the peer was not checked against this process's target yet.
             reason = layout_difference(copy.manifest, target)
-        if _gather([0 if reason is None else 1])[:, 0].any():
+        if _gather([0 if reason is None else 1], what)[:, 0].any():
             warnings.warn(
                 f"Local checkpoint tier ignored: step {step} cannot be restored as saved "
                 f"({reason or 'on another process'}); restoring from the persistent checkpoints.",
@@ -470,7 +555,7 @@ class LocalTier:
     def drop_newer_than(self, step: int) -> None:
         """Deletes this process's copies of steps after ``step``: a run that resumed
         from ``step`` must never later restore a state of the timeline it abandoned."""
-        self.wait_until_finished()
+        self._join()
         parents = [self.own, *(self.own.glob("peer-of-*") if self.own.exists() else [])]
         for parent in parents:
             for s in _steps(parent):
@@ -478,23 +563,93 @@ class LocalTier:
                     shutil.rmtree(parent / str(s), ignore_errors=True)
 
     def delete(self) -> None:
-        """Removes this process's part of the tier (own and peer copies)."""
-        self.wait_until_finished()
+        """Removes this process's part of the tier (own and peer copies), and the tier's
+        directory once no process's part is left in it (an empty ``local/`` stayed)."""
+        self._join()
+        self._failed = None  # a failed write of what is deleted now no longer matters
         shutil.rmtree(self.own, ignore_errors=True)
+        try:  # os.rmdir: epath's rmdir raises ValueError, not OSError, when not empty
+            os.rmdir(self.own.parent)
+        except OSError:  # another process's part is still there (it removes it last)
+            pass
 
 
 def _pad(steps: list[int]) -> list[int]:
     return (steps + [-1] * _SLOTS)[:_SLOTS]
 
 
-def _gather(row: list[int]) -> np.ndarray:
-    """Every process's ``row`` (all call it together), one row per process."""
+def _gather(row: list[int], what: str) -> np.ndarray:
+    """Every process's ``row`` of int64s (all call it together), one row per process."""
     mine = np.asarray(row, np.int64)
     if jax.process_count() == 1:
         return mine[None]
     from jax.experimental import multihost_utils
 
-    return np.asarray(multihost_utils.process_allgather(mine)).reshape(jax.process_count(), -1)
+    # As int32 halves: without jax_enable_x64 an int64 would travel truncated to 32 bits
+    # (a state over 2 GiB, a message's bytes).
+    halves = mine.view(np.int32)
+    rows = _bounded(lambda: np.asarray(multihost_utils.process_allgather(halves)), what)
+    return np.ascontiguousarray(rows, np.int32).view(np.int64).reshape(jax.process_count(), -1)
+
+
+def _bounded(collective: Callable[[], _T], what: str) -> _T:
+    """``collective()`` (one of the tier's collectives), waited for ``WAIT_SECONDS`` at
+    most; a peer lost or silent during it raises here, saying so and what to do.
+
+    A collective cannot be cancelled: on a timeout it is left waiting in its daemon
+    thread, and the processes are out of step from then on.
+    """
+    outcome: list[Any] = []  # [result] or [None, error]
+
+    def run() -> None:
+        try:
+            outcome.append(collective())
+        except BaseException as e:  # noqa: BLE001 - raised below, in the caller's thread
+            outcome.extend([None, e])
+
+    thread = threading.Thread(target=run, name="distrain-local-collective", daemon=True)
+    thread.start()
+    thread.join(WAIT_SECONDS)
+    todo = (
+        "restart the whole job (every process, as `distrain launch --max-restarts` does): "
+        "it resumes from the newest checkpoint every process can read, and the local "
+        "tier's copies on disk are intact."
+    )
+    me = jax.process_index()
+    if not outcome:
+        raise TimeoutError(
+            f"Process {me} waited {WAIT_SECONDS:.0f} s for the other processes during {what}, "
+            f"in vain: one of them froze, lost its host or is stuck (see their logs); {todo}"
+        )
+    if len(outcome) == 2:
+        error = outcome[1]
+        if isinstance(error, jax.errors.JaxRuntimeError):  # gloo's or NCCL's, from a peer
+            first = str(error).strip().splitlines()[0][:300]
+            raise ConnectionError(
+                f"Process {me} lost contact with another process during {what} "
+                f"({type(error).__name__}: {first}): a process of the job died or was "
+                f"killed; {todo}"
+            ) from error
+        raise error
+    return outcome[0]
+
+
+def _failure(failed: tuple[int, BaseException]) -> str:
+    step, error = failed
+    return (
+        f"write of step {step} failed on process {jax.process_index()} "
+        f"({type(error).__name__}: {error})"
+    )
+
+
+def _encode(text: str) -> list[int]:
+    """``text`` (its first ``_MESSAGE_BYTES`` bytes) as int64s, for ``_gather``."""
+    raw = text.encode()[:_MESSAGE_BYTES].ljust(_MESSAGE_BYTES, b"\0")
+    return np.frombuffer(raw, np.int64).tolist()
+
+
+def _decode(row: np.ndarray) -> str:
+    return np.asarray(row, np.int64).tobytes().rstrip(b"\0").decode(errors="replace")
 
 
 def check_arguments(

@@ -3,7 +3,9 @@
 A :class:`Ledger` charges the wall time of its process to one bucket at a time: the
 innermost open :meth:`Ledger.phase` (``"step"``, ``"input"``, ``"checkpoint"``,
 ``"evaluation"``, ``"sync"``: an island's outer exchange and its wait at the round
-barrier), else ``"startup"`` until the first step and ``"other"`` after it.
+barrier), else ``"startup"`` until the first step and ``"other"`` after it. ``"hang"``
+is charged after the fact (:meth:`Ledger.move`): an island learns only when its round
+closes that part of its barrier wait was for a peer found hung.
 Compilation is read from ``jax.monitoring``'s compile spans and moved out of the phase
 it happened in. The cumulative totals are appended to ``WORKDIR/goodput.jsonl`` as
 JSON lines (one process writes: the chief), at least every ``interval`` seconds while
@@ -34,7 +36,7 @@ from typing import Any
 FILENAME = "goodput.jsonl"
 #: The buckets a process's time goes to (the report adds "lost" and "downtime").
 PHASES = ("step", "input", "checkpoint", "evaluation", "sync")
-BUCKETS = ("startup", "compile", *PHASES, "other")
+BUCKETS = ("startup", "compile", *PHASES, "hang", "other")
 VERSION = 1
 
 
@@ -211,6 +213,25 @@ class Ledger:
         fields, _restore_note = _restore_note or {}, None
         self._record("resume", **fields)
 
+    def move(self, seconds: float, source: str, target: str) -> float:
+        """Moves up to ``seconds`` already charged to bucket ``source`` to ``target`` (time
+        whose cause became known later); returns the seconds moved.
+
+        Raises:
+          ValueError: a bucket that is not one of ``BUCKETS``.
+        """
+        if source not in BUCKETS or target not in BUCKETS:
+            raise ValueError(
+                f"Unknown goodput bucket in move({source!r} -> {target!r}); expected two of "
+                f"{BUCKETS}."
+            )
+        with self._lock:
+            self._charge(time.time())
+            moved = min(max(0.0, seconds), self.totals[source])
+            self.totals[source] -= moved
+            self.totals[target] += moved
+            return moved
+
     def record(self, event: str, **fields: Any) -> None:
         """Appends a record of ``event`` (with the totals so far) now."""
         self._record(event, **fields)
@@ -235,7 +256,9 @@ class Ledger:
             self._file.flush()
 
     def finished(self) -> None:
-        """Training reached its end (a later attempt that starts afresh is a new run)."""
+        """The run's work is done: training, and what the program does after it when it
+        says so itself (``dt.callbacks.Goodput(finish_with_fit=False)``). A later attempt
+        that starts afresh is a new run; an attempt killed before this is a failure."""
         self._done = True
         self._record("fit_end")
 

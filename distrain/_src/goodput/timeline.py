@@ -17,6 +17,7 @@ COLORS = {
     "checkpoint": "#ff7f0e",
     "evaluation": "#17becf",
     "sync": "#bcbd22",
+    "hang": "#8c564b",
     "other": "#c7c7c7",
 }
 

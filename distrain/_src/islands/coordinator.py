@@ -16,41 +16,74 @@ A round ``r`` (synchronous mode):
 3. when every island of ``r`` still alive submitted, the mean pseudo-gradient weighted
    by rows goes through the outer optimizer, the leases are committed, the state and
    the ledger are saved in one checkpoint step, and only then the islands see the new
-   parameters (:meth:`wait_round`).
+   parameters (:meth:`wait_round`). The update and the save run outside the lock, so
+   heartbeats go on during a long save; the calls that would change the round
+   (``join``, ``submit``) wait for it. The new state is installed in memory only once
+   it is on disk: a save that fails applies nothing and stops the run with the reason
+   in one line (:class:`IslandsFailed`).
 
 An island that sends no heartbeat for ``death_timeout`` seconds (or whose restart joins)
 is dead: its unsubmitted lease goes back to the queue and its round closes without it.
-A submission that already arrived still counts. An island joining while a round is
-under way enrolls in the next one, so survivors never wait for a rejoin. Below
-``min_islands`` live islands the round waits up to ``min_islands_timeout``, then every
-call raises. Every call names the island's *token* (from :meth:`join`): a token the
-coordinator does not know (a restarted coordinator, an island declared dead) raises
-`RejoinRequired`, and the island joins again from the global state.
+So is a *hung* island, one that may still heartbeat but holds a lease longer than the
+round deadline, or has not leased that long after its synchronous round started
+(``IslandsConfig.round_timeout``; by default derived from the observed round times):
+its late submission is refused (`RejoinRequired`), and the survivors learn how long
+they waited for it (``Round.hang_s``, charged to the ``hang`` bucket of their goodput
+ledgers). A submission that already arrived still counts. An island joining while a
+round is under way enrolls in the next one, so survivors never wait for a rejoin; so
+does a restarted island whose earlier incarnation already submitted in the open round
+(that submission counts there). Below ``min_islands`` live islands the round waits up
+to ``min_islands_timeout``, then every call raises. Every call names the island's
+*token* (from :meth:`join`): a token the coordinator does not know (a restarted
+coordinator, an island declared dead) raises `RejoinRequired`, and the island joins
+again from the global state.
 
 *Committed* means saved: a restarted coordinator resumes from its latest checkpoint,
 and rows of rounds after it are trained again with the parameters they belong to. The
 rows each applied round committed are kept in ``rows/round-R.npy``, so "every row of an
-epoch entered exactly one applied round" can be counted from disk.
+epoch entered exactly one applied round" can be counted from disk. The files and the
+directory renames are fsynced; a newest checkpoint that cannot be read (torn by a
+power loss) is skipped with a warning, and the coordinator resumes from the one before
+(``store.py``).
 """
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import copy
 import dataclasses
 import functools
 import json
 import os
-import shutil
 import threading
 import time
 import uuid
-from collections.abc import Sequence
+import warnings
+from collections.abc import Iterator, Sequence
 from typing import Any, NamedTuple
 
 import numpy as np
 
+from distrain._src.islands import store
 from distrain._src.islands.rows import RowLedger
+from distrain._src.islands.store import committed_rows as committed_rows  # re-exported
 
-CHECKPOINTS_KEPT = 2
+#: The derived round deadline: ``ROUND_TIMEOUT_FACTOR`` x the median lease-to-submit
+#: time of the last ``ROUND_TIMES_KEPT`` submissions, at least ``ROUND_TIMEOUT_FLOOR``
+#: seconds (an island's first round after it joins also compiles its step).
+ROUND_TIMEOUT_FACTOR = 5.0
+ROUND_TIMEOUT_FLOOR = 60.0
+ROUND_TIMES_KEPT = 20
+
+
+class Round(NamedTuple):
+    """What :meth:`IslandCoordinator.wait_round` returns."""
+
+    round: int
+    params: list[np.ndarray]  # the global parameters the round starts from
+    finished: bool  # every row was committed: the parameters are the final ones
+    hang_s: float  # of the caller's previous round, the wait for islands found hung
 
 
 class _Submission(NamedTuple):
@@ -92,6 +125,12 @@ class IslandsConfig:
         applied when it arrives (the outer version counts the updates).
       max_staleness: async only: a pseudo-gradient computed from parameters more than
         this many updates old is discarded and its rows go back to the queue.
+      round_timeout: the round deadline: seconds an island may hold a lease without
+        submitting, or (synchronous mode) stay without a lease after its round started;
+        past it the island is hung and treated as dead (its rows go back to the queue,
+        its late submission is refused). ``None``: ``ROUND_TIMEOUT_FACTOR`` (5) x the
+        median lease-to-submit time of the last ``ROUND_TIMES_KEPT`` (20) submissions,
+        at least ``ROUND_TIMEOUT_FLOOR`` (60 s).
     """
 
     islands: int
@@ -107,8 +146,14 @@ class IslandsConfig:
     min_islands_timeout: float = 300.0
     mode: str = "sync"
     max_staleness: int | None = None
+    round_timeout: float | None = None
 
     def __post_init__(self) -> None:
+        if self.round_timeout is not None and not self.round_timeout > 0:
+            raise ValueError(
+                "round_timeout must be None or > 0 seconds (None: derived from the observed "
+                f"round times). Received: round_timeout={self.round_timeout!r}."
+            )
         if self.mode not in ("sync", "async"):
             raise ValueError(f"mode must be 'sync' or 'async'. Received: mode={self.mode!r}.")
         if self.max_staleness is not None and (self.mode != "async" or self.max_staleness < 0):
@@ -165,7 +210,7 @@ class IslandCoordinator:
 
         coord = IslandCoordinator(config, leaves, treedef, optax.sgd(0.7), "runs/x")
         token, _ = coord.join(0, structure)
-        r, params, finished = coord.wait_round(0, token, after=-1)
+        r, params, finished, _ = coord.wait_round(0, token, after=-1)
         positions, rows = coord.lease(0, token, r)
         coord.submit(0, token, r, pseudo_gradient)  # global minus the island's params
     """
@@ -186,7 +231,9 @@ class IslandCoordinator:
         self.config = config
         self.directory = os.path.abspath(directory)
         self.structure = structure_of(params, treedef)
-        self._cond = threading.Condition()
+        # A plain lock: _apply releases it around the save, which a re-entrant one
+        # acquired twice would not.
+        self._cond = threading.Condition(threading.Lock())
         self._params = [np.asarray(p) for p in params]
         opt_state = outer_optimizer.init([jnp.asarray(p) for p in self._params])
         self._opt_leaves, self._opt_def = jax.tree.flatten(opt_state)
@@ -204,6 +251,14 @@ class IslandCoordinator:
         self._submissions: dict[int, _Submission] = {}
         self._pulled: dict[int, int] = {}  # async: the version each island trains from
         self._island_steps: dict[int, int] = {}  # inner steps each island had applied
+        self._leased_at: dict[int, float] = {}  # when each unsubmitted lease was taken
+        self._joined_at: dict[int, float] = {}  # when each live incarnation joined
+        self._round_times: collections.deque[float] = collections.deque(maxlen=ROUND_TIMES_KEPT)
+        self._dead: dict[int, str] = {}  # why each island was last declared dead
+        self._hung_at: float | None = None  # the open round's last hang verdict
+        self._started_at: float | None = None  # sync: the open round's first lease
+        self._hang_s = (-1, 0.0)  # the last applied round, its wait for hung islands
+        self._saving = False  # a round's update and save are under way, unlocked
         self._opened = time.time()
         self._assembling = True  # until the first lease: wait for every island
         self._below_since: float | None = time.time()
@@ -223,10 +278,13 @@ class IslandCoordinator:
         counts the rest as lost).
 
         It is enrolled in the open round if no island leased rows of it yet, else in the
-        next one; :meth:`wait_round` says when its round opens.
+        next one (always the next one if its earlier incarnation submitted in the open
+        round); :meth:`wait_round` says when its round opens. It waits for a round's
+        save under way.
 
         Raises:
           ValueError: another parameter structure, or an island id out of range.
+          IslandsFailed: the run failed.
         """
         if not 0 <= island < self.config.islands:
             raise ValueError(
@@ -241,15 +299,20 @@ class IslandCoordinator:
                 "(and a restarted run the model of its checkpoint)."
             )
         with self._cond:
-            self._check_error()
+            self._await_save()
             if island in self._tokens:
                 self._declare_dead(island, "it joined again (restarted)")
+            self._check_error()
             token = uuid.uuid4().hex
             self._tokens[island] = token
-            self._heartbeats[island] = time.time()
+            self._heartbeats[island] = self._joined_at[island] = time.time()
+            self._dead.pop(island, None)
             short = len(self._members) < self.config.min_islands  # a round that waits
             busy = (self._leased or self._submissions) and not short
-            if busy and self.config.mode == "sync":
+            # An earlier incarnation's submission counts in the open round: this one
+            # trains the next (leasing the open round again would hold two leases).
+            counted = island in self._submissions
+            if (busy or counted) and self.config.mode == "sync":
                 self._next.add(island)
             else:
                 self._members.add(island)
@@ -278,6 +341,12 @@ class IslandCoordinator:
                 self._check_token(island, token)
                 self._check_error()
                 asynchronous = self.config.mode == "async"
+                if island in self._next:
+                    raise RejoinRequired(
+                        f"island {island} asked for rows of round {round_}, but it is enrolled "
+                        f"in round {self.round + 1} (it joined while round {self.round} was "
+                        "under way): wait for its round with wait_round."
+                    )
                 if island not in self._members or (round_ != self.round and not asynchronous):
                     raise RejoinRequired(
                         f"island {island} asked for rows of round {round_}, but the open round "
@@ -291,7 +360,10 @@ class IslandCoordinator:
                 if not self._cond.wait(deadline - time.time()) and time.time() >= deadline:
                     return None
             self._assembling = False
+            if not self._leased:
+                self._started_at = time.time()
             self._leased.add(island)
+            self._leased_at[island] = time.time()
             positions = self.ledger.lease(island, self.config.lease_rows)
             return positions, self.ledger.rows(positions)[1]
 
@@ -306,8 +378,17 @@ class IslandCoordinator:
         """``island``'s pseudo-gradient for ``round_`` (None with an empty lease).
 
         Returns False when the asynchronous mode discarded it as too stale (its rows go
-        back to the queue), else True."""
+        back to the queue), else True.
+
+        Raises:
+          RejoinRequired: ``island`` holds no lease of ``round_`` (it was declared dead,
+            hung past the round deadline included: its submission is discarded).
+          ValueError: the pseudo-gradient's shapes are not the parameters'.
+          IslandsFailed: the run failed (e.g. the round's checkpoint could not be saved).
+        """
+        arrived = time.time()
         with self._cond:
+            self._await_save()
             self._check_token(island, token)
             self._check_error()
             stale_round = round_ != self.round and self.config.mode == "sync"
@@ -324,27 +405,32 @@ class IslandCoordinator:
                         f"parameters have {[np.shape(p) for p in self._params]}. Nothing was "
                         "applied."
                     )
+            self._round_times.append(arrived - self._leased_at.pop(island, arrived))
+            self._heartbeats[island] = time.time()
             if self.config.mode == "async":
                 return self._submit_async(island, pseudo_gradient, dict(metrics or {}))
             rows = self.ledger.submitted(island)
-            now = time.time()
-            self._submissions[island] = _Submission(pseudo_gradient, rows, dict(metrics or {}), now)
-            self._heartbeats[island] = now
+            self._submissions[island] = _Submission(
+                pseudo_gradient, rows, dict(metrics or {}), arrived
+            )
             self._maybe_close()
+            self._check_error()  # the save of the round this submission closed failed
             return True
 
-    def wait_round(
-        self, island: int, token: str, after: int, timeout: float = 2.0
-    ) -> tuple[int, list[np.ndarray], bool] | None:
+    def wait_round(self, island: int, token: str, after: int, timeout: float = 2.0) -> Round | None:
         """Waits for a round after ``after`` that ``island`` is enrolled in (``after=-1``
-        after joining). Returns (that round, the global parameters it starts from,
-        finished), or None after ``timeout`` seconds (call again). ``finished``: every
-        row was committed; the parameters are the final ones."""
+        after joining). Returns a :class:`Round` (that round, the global parameters it
+        starts from, finished, and ``hang_s``: the seconds round ``after`` waited for
+        islands declared hung after the others submitted), or None after ``timeout``
+        seconds (call again). ``finished``: every row was committed; the parameters are
+        the final ones."""
         deadline = time.time() + timeout
         with self._cond:
             synchronous = self.config.mode == "sync"
             while not self.ledger.exhausted and (
-                (synchronous and self.round <= after) or island not in self._members
+                (synchronous and self.round <= after)
+                or island not in self._members
+                or island in self._next
             ):
                 self._check_token(island, token)
                 self._check_error()
@@ -354,7 +440,9 @@ class IslandCoordinator:
                 self._cond.wait(remaining)
             self._check_token(island, token)
             self._pulled[island] = self.round
-            return self.round, list(self._params), self.ledger.exhausted
+            hung_round, hang_s = self._hang_s
+            hang_s = hang_s if hung_round == after else 0.0
+            return Round(self.round, list(self._params), self.ledger.exhausted, hang_s)
 
     def leave(self, island: int, token: str) -> None:
         """``island`` finished (every row committed): it stops counting as a member."""
@@ -363,10 +451,12 @@ class IslandCoordinator:
                 self._tokens.pop(island)
                 self._heartbeats.pop(island, None)
                 self._members.discard(island)
+                self._next.discard(island)
                 self._event("leave", island=island)
 
     def status(self) -> dict[str, Any]:
-        """The round, the live islands, the ledger's counts (for logs and tests)."""
+        """The round, the live islands, the ledger's counts, the round deadline (for logs
+        and tests)."""
         with self._cond:
             return {
                 "round": self.round,
@@ -375,6 +465,7 @@ class IslandCoordinator:
                 "committed_rows": self.ledger.committed,
                 "total_rows": self.ledger.total,
                 "finished": self.ledger.exhausted,
+                "round_deadline_s": self._round_deadline(),
                 "error": self._error,
             }
 
@@ -388,14 +479,45 @@ class IslandCoordinator:
     # ------------------------------------------------------------- internals
     def _check_token(self, island: int, token: str) -> None:
         if self._tokens.get(island) != token:
+            why = self._dead.get(island)
+            cause = (
+                f"it was declared dead: {why}"
+                if why
+                else ("it was declared dead, or the coordinator restarted from its checkpoint")
+            )
             raise RejoinRequired(
-                f"island {island} is not a live member of this coordinator (it was declared "
-                "dead, or the coordinator restarted from its checkpoint): join again."
+                f"island {island} is not a live member of this coordinator ({cause}): join again."
             )
 
     def _check_error(self) -> None:
         if self._error is not None:
             raise IslandsFailed(self._error)
+
+    def _await_save(self) -> None:
+        """Waits while a round's update and save run outside the lock (a join or a
+        submission would change the round they are closing)."""
+        while self._saving:
+            self._cond.wait()
+
+    @contextlib.contextmanager
+    def _unlocked(self) -> Iterator[None]:
+        """Releases the lock (held by the caller) for slow work: heartbeats go on."""
+        self._saving = True
+        self._cond.release()
+        try:
+            yield
+        finally:
+            self._cond.acquire()
+            self._saving = False
+            self._cond.notify_all()
+
+    def _round_deadline(self) -> float:
+        """Seconds an island may hold a lease without submitting (see
+        ``IslandsConfig.round_timeout``)."""
+        if self.config.round_timeout is not None:
+            return self.config.round_timeout
+        observed = float(np.median(self._round_times)) if self._round_times else 0.0
+        return max(ROUND_TIMEOUT_FLOOR, ROUND_TIMEOUT_FACTOR * observed)
 
     def _may_start(self) -> bool:
         """Round 0 waits for every island (or ``min_islands`` after ``start_timeout``);
@@ -408,21 +530,27 @@ class IslandCoordinator:
             )
         return n >= self.config.min_islands
 
-    def _declare_dead(self, island: int, why: str) -> None:
+    def _declare_dead(self, island: int, why: str, hung: bool = False) -> None:
         returned = 0
         if island in self._leased and island not in self._submissions:
             returned = self.ledger.give_back(island)
             self._leased.discard(island)
+        self._leased_at.pop(island, None)
+        self._joined_at.pop(island, None)
         self._tokens.pop(island, None)
         self._heartbeats.pop(island, None)
+        self._dead[island] = why
         if island not in self._submissions:  # a submission that arrived still counts
             self._members.discard(island)
         self._next.discard(island)
-        self._event("dead", island=island, why=why, rows_returned=returned)
+        self._event("dead", island=island, why=why, rows_returned=returned, hung=hung)
+        if hung and self.config.mode == "sync":  # the survivors' barrier waited for it
+            self._hung_at = time.time()
         if not self._leased and not self._submissions:
             # Nobody trains the open round any more: it starts afresh, joiners included.
             self._members |= self._next
             self._next = set()
+            self._started_at = None
         self._maybe_close()
         self._cond.notify_all()
 
@@ -431,6 +559,8 @@ class IslandCoordinator:
         least ``min_islands`` (else it waits for a joiner, which enrolls in it)."""
         if (
             self.config.mode == "sync"
+            and not self._saving
+            and self._error is None
             and len(self._submissions) >= self.config.min_islands
             and all(i in self._submissions for i in self._members)
         ):
@@ -438,42 +568,76 @@ class IslandCoordinator:
 
     def _apply(self) -> None:
         """Applies the submissions' mean pseudo-gradient, weighted by rows (an empty
-        lease weighs nothing), commits their rows and saves."""
+        lease weighs nothing), commits their rows and saves; the new state replaces the
+        old in memory only once it is saved. The update and the save run without the
+        lock (heartbeats go on), from a snapshot: the submissions, the parameters and
+        a copy of the ledger with their rows committed."""
         import jax
 
-        now = time.time()
-        subs = self._submissions
-        grads = [(s.grads, s.rows) for s in subs.values() if s.grads is not None and s.rows]
-        total = sum(n for _, n in grads)
-        if total:  # the pseudo-gradients are float32 or wider (outer.py's pseudo_gradient)
-            mean = [sum(g[k] * (n / total) for g, n in grads) for k in range(len(self._params))]
-            opt = jax.tree.unflatten(self._opt_def, self._opt_leaves)
-            params, opt = self._update(self._params, opt, mean)
-            self._params = [np.asarray(p) for p in params]
-            self._opt_leaves = [np.asarray(x) for x in jax.tree.leaves(opt)]
+        ready = time.time()  # every member submitted or was declared dead
+        r, subs = self.round, dict(self._submissions)
         islands = sorted(subs)
-        positions = self.ledger.commit(islands)
+        ledger = copy.deepcopy(self.ledger)
+        positions = ledger.commit(islands)
+        island_steps = dict(self._island_steps)
         for i in islands:
-            steps = -(-subs[i].rows // self.config.batch_size)
-            self._island_steps[i] = self._island_steps.get(i, 0) + steps
-        record = {
-            "round": self.round,
-            "islands": islands,
-            "rows": {str(i): subs[i].rows for i in islands},
-            "metrics": {str(i): subs[i].metrics for i in islands},
-            "opened": self._opened,
-            "last_submit": max(s.time for s in subs.values()),
-            "ready": now,  # every member submitted or was declared dead
-        }
-        self._save(positions)
-        record["closed"] = time.time()
-        self._event("round", **record)
+            island_steps[i] = island_steps.get(i, 0) - (-subs[i].rows // self.config.batch_size)
+        last_submit = max(s.time for s in subs.values())
+        hang_s = max(0.0, self._hung_at - last_submit) if self._hung_at is not None else 0.0
+        params, opt_leaves = self._params, self._opt_leaves
+        failure = None
+        with self._unlocked():
+            what = "outer update failed"
+            try:
+                grads = [(s.grads, s.rows) for s in subs.values() if s.grads is not None and s.rows]
+                total = sum(n for _, n in grads)
+                if total:  # float32 or wider (outer.py's pseudo_gradient)
+                    mean = [sum(g[k] * (n / total) for g, n in grads) for k in range(len(params))]
+                    opt = jax.tree.unflatten(self._opt_def, opt_leaves)
+                    new_params, opt = self._update(params, opt, mean)
+                    params = [np.asarray(p) for p in new_params]
+                    opt_leaves = [np.asarray(x) for x in jax.tree.leaves(opt)]
+                meta = {
+                    "round": r + 1,
+                    "structure": self.structure,
+                    "config": dataclasses.asdict(self.config),
+                    "ledger": ledger.state_dict(),
+                    "island_steps": {str(i): n for i, n in island_steps.items()},
+                }
+                what = f"checkpoint could not be written to {self.directory}"
+                self._save(r, positions, params, opt_leaves, meta)
+            except Exception as e:  # nothing was applied: say why, in one line
+                failure = f"{type(e).__name__}: {e}".replace("\n", " ")
+        if failure is not None:
+            self._event("save_failed", round=r, error=failure)
+            self._fail(
+                f"round {r}'s {what} ({failure}); the round was not applied, and the run "
+                "stops. Fix the cause and start the islands again: the coordinator resumes "
+                f"from its last checkpoint, the state round {r} started from."
+            )
+            return
+        self._params, self._opt_leaves = params, opt_leaves
+        self.ledger.commit(islands)  # the copy's commit, on the live ledger
+        self._island_steps = island_steps
+        self._event(
+            "round",
+            round=r,
+            islands=islands,
+            rows={str(i): subs[i].rows for i in islands},
+            metrics={str(i): subs[i].metrics for i in islands},
+            opened=self._opened,
+            last_submit=last_submit,
+            ready=ready,
+            hang_s=hang_s,
+            closed=time.time(),
+        )
         self.round += 1
         if self.config.mode == "sync":
             self._members = {i for i in self._members if i in self._tokens} | self._next
             self._next = set()
         self._leased -= set(islands)
         self._submissions.clear()
+        self._hung_at, self._started_at, self._hang_s = None, None, (r, hang_s)
         self._opened = time.time()
         self._cond.notify_all()
 
@@ -484,7 +648,6 @@ class IslandCoordinator:
         lease), unless it is staler than ``max_staleness`` updates."""
         staleness = self.round - self._pulled.get(island, self.round)
         bound = self.config.max_staleness
-        self._heartbeats[island] = time.time()
         if bound is not None and staleness > bound:
             returned = self.ledger.give_back(island)
             self._leased.discard(island)
@@ -502,86 +665,93 @@ class IslandCoordinator:
         metrics = {**metrics, "staleness": staleness}
         self._submissions = {island: _Submission(grads, rows, metrics, time.time())}
         self._apply()
+        self._check_error()
         return True
 
+    def _overdue(self) -> tuple[int, str, bool] | None:
+        """An island to declare dead now: (island, why, hung), or None."""
+        now = time.time()
+        for island, seen in self._heartbeats.items():
+            if now - seen > self.config.death_timeout:
+                return island, f"no heartbeat for {self.config.death_timeout:g} s", False
+        deadline = self._round_deadline()
+        for island, leased in self._leased_at.items():
+            if now - leased > deadline:
+                why = f"hung: no submission {deadline:g} s after its lease (the round deadline)"
+                return island, why, True
+        started = self._started_at
+        if self.config.mode == "sync" and started is not None:
+            for island in sorted(self._members - self._leased):  # the round waits for them
+                # A member that joined the round after it started: from its join.
+                if now - max(started, self._joined_at.get(island, started)) > deadline:
+                    why = f"hung: no lease {deadline:g} s into its round (the round deadline)"
+                    return island, why, True
+        return None
+
     def _watch(self) -> None:
-        """Declares islands dead after ``death_timeout`` without a heartbeat; fails the run
-        after ``min_islands_timeout`` below ``min_islands``."""
+        """Declares islands dead after ``death_timeout`` without a heartbeat, or hung past
+        the round deadline; fails the run after ``min_islands_timeout`` below
+        ``min_islands``."""
         period = min(0.25, self.config.heartbeat_interval / 2)
         while not self._stop.wait(period):
             with self._cond:
-                now = time.time()
-                for island, seen in list(self._heartbeats.items()):
-                    if now - seen > self.config.death_timeout:
-                        self._declare_dead(
-                            island, f"no heartbeat for {self.config.death_timeout:g} s"
-                        )
-                alive = len(self._tokens)
+                # One at a time, each against the state the last one left (a death may
+                # close the round, whose save releases the lock).
+                while self._error is None and (late := self._overdue()) is not None:
+                    self._declare_dead(*late)
+                alive, now = len(self._tokens), time.time()
                 if alive < self.config.min_islands and not self.ledger.exhausted:
                     self._below_since = self._below_since or now
-                    if now - self._below_since > self.config.min_islands_timeout:
-                        self._error = (
+                    if (
+                        self._error is None
+                        and now - self._below_since > self.config.min_islands_timeout
+                    ):
+                        self._fail(
                             f"only {alive} island(s) alive, fewer than min_islands="
                             f"{self.config.min_islands}, for more than min_islands_timeout="
                             f"{self.config.min_islands_timeout:g} s (round {self.round}); "
                             "stopping. Restart the islands: the coordinator resumes from its "
                             "checkpoint."
                         )
-                        self._event("failed", reason=self._error)
-                        self._cond.notify_all()
                 else:
                     self._below_since = None
 
+    def _fail(self, reason: str) -> None:
+        """Stops the run: every call raises `IslandsFailed` with ``reason``."""
+        self._error = reason
+        self._event("failed", reason=reason)
+        self._cond.notify_all()
+
     # ------------------------------------------------------------ checkpoint
-    def _ckpt_dir(self, round_: int) -> str:
-        return os.path.join(self.directory, "checkpoints", f"round-{round_:07d}")
-
-    def _save(self, positions: np.ndarray) -> None:
-        """Round ``self.round`` was applied: its committed rows, then the state after it
-        (params, outer optimizer state, ledger) in one directory, renamed into place."""
-        r = self.round
-        rows_path = os.path.join(self.directory, "rows", f"round-{r:07d}.npy")
-        np.save(rows_path + ".tmp.npy", positions)
-        os.replace(rows_path + ".tmp.npy", rows_path)
-        final = self._ckpt_dir(r + 1)  # the state a round r + 1 starts from
-        tmp = final + f".tmp-{os.getpid()}"
-        shutil.rmtree(tmp, ignore_errors=True)
-        os.makedirs(tmp)
-        arrays = {f"p{k}": p for k, p in enumerate(self._params)}
-        arrays.update({f"o{k}": x for k, x in enumerate(self._opt_leaves)})
-        np.savez(os.path.join(tmp, "state.npz"), **arrays)  # type: ignore[arg-type]  # numpy's stub
-        meta = {
-            "round": r + 1,
-            "structure": self.structure,
-            "config": dataclasses.asdict(self.config),
-            "ledger": self.ledger.state_dict(),
-            "island_steps": {str(i): n for i, n in self._island_steps.items()},
-        }
-        with open(os.path.join(tmp, "meta.json"), "w") as f:
-            json.dump(meta, f)
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-        for old in self._checkpoints()[:-CHECKPOINTS_KEPT]:
-            shutil.rmtree(self._ckpt_dir(old), ignore_errors=True)
-
-    def _checkpoints(self) -> list[int]:
-        root = os.path.join(self.directory, "checkpoints")
-        if not os.path.isdir(root):
-            return []
-        return sorted(
-            int(n.split("-")[1])
-            for n in os.listdir(root)
-            if n.startswith("round-") and "." not in n
-        )
+    def _save(
+        self,
+        r: int,
+        positions: np.ndarray,
+        params: list[np.ndarray],
+        opt_leaves: list[np.ndarray],
+        meta: dict[str, Any],
+    ) -> None:
+        """Round ``r`` was applied: its committed rows, then the state after it, durably
+        (``store.py``)."""
+        store.save(self.directory, r, positions, params, opt_leaves, meta)
 
     def _restore(self) -> int | None:
-        rounds = self._checkpoints()
-        if not rounds:
-            return None
-        r = rounds[-1]
-        path = self._ckpt_dir(r)
-        with open(os.path.join(path, "meta.json")) as f:
-            meta = json.load(f)
+        """Resumes from the newest readable checkpoint (each unreadable newer one, torn
+        by a crash, is skipped with a warning); returns its round, or None."""
+        ckpt, skipped = store.load_newest(self.directory, len(self._params), len(self._opt_leaves))
+        for line in skipped:
+            warnings.warn(f"the islands' checkpoint {line}.", stacklevel=3)
+            self._event("checkpoint_unreadable", reason=line)
+        if ckpt is not None:
+            self._check_checkpoint(ckpt.path, ckpt.meta)
+            self._params, self._opt_leaves = ckpt.params, ckpt.opt_leaves
+            self.ledger = RowLedger.from_state(ckpt.meta["ledger"])
+            self._island_steps = {int(i): int(n) for i, n in ckpt.meta["island_steps"].items()}
+            self.round = int(ckpt.meta["round"])
+        store.drop_rows_from(self.directory, self.round)  # an abandoned timeline's
+        return None if ckpt is None else self.round
+
+    def _check_checkpoint(self, path: str, meta: dict[str, Any]) -> None:
         if meta["structure"] != self.structure:
             raise ValueError(
                 f"{path} holds a checkpoint of another model; nothing was restored.\n"
@@ -595,27 +765,8 @@ class IslandCoordinator:
                 f"{path} was written for the rows {saved}; this run has {mine}. The row ledger "
                 "would not match: use another directory."
             )
-        with np.load(os.path.join(path, "state.npz")) as z:
-            self._params = [z[f"p{k}"] for k in range(len(self._params))]
-            self._opt_leaves = [z[f"o{k}"] for k in range(len(self._opt_leaves))]
-        self.ledger = RowLedger.from_state(meta["ledger"])
-        self._island_steps = {int(i): int(n) for i, n in meta["island_steps"].items()}
-        self.round = int(meta["round"])
-        # Rows of rounds applied after this checkpoint belong to an abandoned timeline.
-        for name in os.listdir(os.path.join(self.directory, "rows")):
-            if name.startswith("round-") and int(name[6:13]) >= self.round:
-                os.remove(os.path.join(self.directory, "rows", name))
-        return self.round
 
     def _event(self, event: str, **fields: Any) -> None:
         line = {"event": event, "t": time.time(), "pid": os.getpid(), **fields}
         with open(os.path.join(self.directory, "events.jsonl"), "a") as f:
             f.write(json.dumps(line) + "\n")
-
-
-def committed_rows(directory: str) -> np.ndarray:
-    """Every position committed by the applied rounds kept in ``directory/rows``."""
-    root = os.path.join(directory, "rows")
-    names = sorted(n for n in os.listdir(root) if n.startswith("round-") and "tmp" not in n)
-    parts = [np.load(os.path.join(root, n)) for n in names]
-    return np.concatenate(parts) if parts else np.zeros(0, np.int64)

@@ -8,10 +8,11 @@ pseudo-gradient (global minus its own parameters). A heartbeat thread keeps it a
 the coordinator's eyes. If the island is declared dead, or the coordinator restarts, it
 joins again from the global state; a restarted island process does the same.
 
-The inner optimizer state across rounds: kept while the island lives (DiLoCo); reset
-to the initial state's (and the step to ``round * sync_every``) when the island joins
-or rejoins (a new process has nothing else, and copying a peer's would tie the islands
-together again).
+The inner optimizer state across rounds: kept while the island lives (DiLoCo). When the
+island joins or rejoins, its moments are reset to the initial state's (a new process has
+nothing else, and copying a peer's would tie the islands together again), while the step
+and every count optax keeps go on at ``round * sync_every``, so that learning-rate
+schedules continue where its peers are (:func:`joined_state`).
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ import dataclasses
 import functools
 import json
 import os
+import signal
+import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -28,6 +31,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from distrain._src.checkpoint.preemption import PREEMPTION_EXIT_CODE
 from distrain._src.cluster.base import ENV_ISLAND, ENV_ISLANDS, ENV_NUM_PROCESSES
 from distrain._src.goodput import ledger as goodput
 from distrain._src.islands import remote
@@ -126,13 +130,58 @@ def _round_loss(losses: list[Any]) -> float | None:
 
 def joined_state(initial: Any, params: Any, step: int) -> Any:
     """The state an island trains from after it (re)joins in the round that starts at
-    inner step ``step``: the global ``params``, the *initial* state's optimizer state
-    (a new process has no other, and a live peer's would tie the islands together
-    again), and ``step`` as its step, so that learning-rate schedules go on."""
+    inner step ``step``: the global ``params``; ``step`` as its step; and the *initial*
+    state's optimizer state (a new process has no other, and a live peer's would tie
+    the islands together again) with every count optax keeps set to ``step``.
+
+    optax reads a schedule's step from the optimizer state (``ScaleByScheduleState``,
+    ``inject_hyperparams``' states), not from ``state.step``, and Adam's bias correction
+    from its own count: each is continued, so the island's first update uses the
+    learning rate of step ``step``, as its live peers do. The moments stay at their
+    initial values. Every leaf named ``count`` in a NamedTuple or dataclass of the
+    optimizer state is set, however nested (chains, ``masked``, ``inject_hyperparams``).
+
+    Raises:
+      ValueError: an ``optax.MultiSteps`` state, whose counts are of updates (one per
+        k steps), which this state cannot tell.
+    """
     joined = initial.replace(params=params)
     if hasattr(joined, "step"):
         joined = joined.replace(step=np.asarray(step, np.int32))
+    if hasattr(joined, "opt_state"):
+        leaves = jax.tree_util.tree_leaves_with_path(joined.opt_state)
+        if any(_named(path) and path[-1].name == "gradient_step" for path, _ in leaves):
+            raise ValueError(
+                f"an island joining at step {step} continues its optimizer's counts, but "
+                "optax.MultiSteps counts updates of k steps each, and its state does not "
+                "hold k. Expected an optimizer that updates at every step; received a state "
+                "with optax.MultiSteps' gradient_step. Accumulate with dt.accumulate_gradients."
+            )
+        joined = joined.replace(opt_state=_with_counts(joined.opt_state, step))
     return joined
+
+
+def _named(path: tuple[Any, ...]) -> bool:
+    """A leaf that is a field of a NamedTuple or a dataclass."""
+    return bool(path) and isinstance(path[-1], jax.tree_util.GetAttrKey)
+
+
+def _is_count(path: tuple[Any, ...]) -> bool:
+    return _named(path) and path[-1].name == "count"
+
+
+def _with_counts(opt_state: Any, step: int) -> Any:
+    """``opt_state`` with every ``count`` field (a NamedTuple's or a dataclass's) at ``step``."""
+    return jax.tree_util.tree_map_with_path(
+        lambda path, x: np.full(np.shape(x), step, np.dtype(x.dtype)) if _is_count(path) else x,
+        opt_state,
+    )
+
+
+def optimizer_counts(opt_state: Any) -> list[int]:
+    """Every ``count`` in an optimizer state, in pytree order (logged when an island
+    joins: the benchmark checks them against ``round x sync_every``)."""
+    return [int(x) for path, x in jax.tree_util.tree_leaves_with_path(opt_state) if _is_count(path)]
 
 
 def _ids(island: int | None, islands: int | None) -> tuple[int, int]:
@@ -166,6 +215,48 @@ class _Log:
             f.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
 
 
+class _Terminated(BaseException):
+    """SIGTERM reached the island inside :func:`train`'s loop, which unwinds."""
+
+
+class _SigTerm:
+    """SIGTERM ends an island at once with ``PREEMPTION_EXIT_CODE`` (143).
+
+    What the island knows lives in the coordinator (committed each round), so there is
+    nothing to save: ``distrain launch`` restarts it as a preemption, or, when the
+    launcher itself was stopped (Ctrl-C), the island is gone well within its grace
+    period. Inside the loop (``unwind``) the handler raises, so that :func:`train`'s
+    ``finally`` closes the ledger, and then ends the process; before it, the handler
+    ends it at once. Replaced: Ray's own handler (``sys.exit(15)``: a failure, after
+    2-4 s of interpreter shutdown) and the C-level one Ray's core worker installs over
+    it, which printed a stack trace of the SIGTERM. Only on the main thread (where
+    Python sets handlers).
+    """
+
+    def __init__(self) -> None:
+        self.received = False
+        self.unwind = False
+        self.previous: Any = None
+        if threading.current_thread() is threading.main_thread():
+            self.previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        self.received = True
+        if not self.unwind:
+            self.exit()
+        raise _Terminated  # inside ray.get it comes out as a SystemError: see `received`
+
+    def restore(self) -> None:
+        if self.previous is not None:
+            signal.signal(signal.SIGTERM, self.previous)
+
+    @staticmethod
+    def exit() -> None:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(PREEMPTION_EXIT_CODE)
+
+
 def train(
     train_step: Callable[..., Any],
     state: Any,
@@ -187,6 +278,7 @@ def train(
     min_islands_timeout: float = 300.0,
     mode: str = "sync",
     max_staleness: int | None = None,
+    round_timeout: float | None = None,
     call_timeout: float = 120.0,
     ray_address: str | None = None,
     on_round: Callable[[int, Any], None] | None = None,
@@ -221,6 +313,11 @@ def train(
         applied when it arrives; no island waits for another).
       max_staleness: async: discard a pseudo-gradient computed from parameters more than
         this many outer updates old (its rows are trained again).
+      round_timeout: an island that holds a lease this long without submitting (or, in
+        a synchronous round, has not leased this long after the round started) is hung
+        and treated as dead; ``None``: 5 x the median round time, at least 60 s
+        (``IslandsConfig.round_timeout``). The survivors' wait for it is charged to the
+        ``hang`` bucket of their goodput ledgers.
       call_timeout: seconds a call to the coordinator may take (its restart included).
       ray_address: the Ray cluster (default ``RAY_ADDRESS``, set by the launcher).
       on_round: called as ``on_round(round, global_params)`` before each round this
@@ -260,6 +357,7 @@ def train(
         min_islands_timeout=min_islands_timeout,
         mode=mode,
         max_staleness=max_staleness,
+        round_timeout=round_timeout,
     )
     strategy = strategy or dt.MirroredStrategy()
     replicas = strategy.num_replicas_in_sync
@@ -285,6 +383,7 @@ def train(
             "hold several devices: --devices-per-proc, or the GPUs it sees)."
         )
     remote.connect(ray_address, islands)
+    sigterm = _SigTerm()  # after Ray's, which it replaces
     own_dir = os.path.join(directory, f"island-{island}")
     log = _Log(own_dir)
     ledger = goodput.Ledger(own_dir)
@@ -292,8 +391,9 @@ def train(
     log("start", island=island, pid=os.getpid(), process_start=goodput.process_start_time())
 
     name = remote.actor_name(directory)
-    args = (config, leaves, str(treedef), outer_optimizer, directory)
-    coord = remote.Coordinator(remote.coordinator(name, args), call_timeout)
+    # Absolute: the actor resolves the path where it runs, in another working directory.
+    args = (config, leaves, str(treedef), outer_optimizer, os.path.abspath(directory))
+    coord = remote.coordinator(name, args, call_timeout)
     log("connected")
 
     token: list[str] = []  # the live token, read by the heartbeat thread
@@ -317,6 +417,7 @@ def train(
     first_step = True
     placed = None
     after = -1
+    sigterm.unwind = True
     try:
         while True:
             try:
@@ -329,19 +430,25 @@ def train(
                     ledger.resumed(done)
                     placed, after = None, -1
                 with ledger.phase("sync"):
-                    r, global_leaves, finished = coord.poll(
+                    r, global_leaves, finished, hang_s = coord.poll(
                         "wait_round",
                         island,
                         token[-1],
                         after,
                         until=call_timeout + min_islands_timeout,
                     )
+                # Part of that barrier wait was for a peer found hung (the round deadline).
+                ledger.move(hang_s, "sync", "hang")
                 if finished:
                     break
                 if on_round is not None:
                     on_round(r, to_tree(global_leaves))
                 if placed is None:  # a (re)join
+                    if first_step and r:  # this process joins a run under way: say where
+                        print(f"island {island}: continuing the run in {directory} at round {r}")
                     joined = joined_state(state, to_tree(global_leaves), r * sync_every)
+                    counts = optimizer_counts(getattr(joined, "opt_state", None))
+                    log("joined_state", round=r, step=r * sync_every, counts=counts)
                     placed = strategy.put_replicated(joined)
                 else:
                     placed = placed.replace(params=strategy.put_replicated(to_tree(global_leaves)))
@@ -406,7 +513,8 @@ def train(
         if on_round is not None:
             on_round(r, final)
         stop.set()
-        coord("leave", island, token[-1])
+        if coord("leave", island, token[-1]):  # the last island out ends the coordinator
+            coord.kill()
         ledger.finished()
         log("finished", rounds=len(history))
         return IslandsResult(params=final, island=island, history=history)
@@ -414,3 +522,6 @@ def train(
         stop.set()
         goodput.set_current(None)
         ledger.close()
+        sigterm.restore()
+        if sigterm.received:
+            sigterm.exit()
