@@ -17,12 +17,23 @@ Two parts, written to one JSON file:
   inner optimizer (AdamW) and schedule, three seeds each; held-out loss at the end
   (``loss_gap_h10``, ``loss_gap_h50``: DiLoCo minus data parallel, mean over seeds;
   ``seed_spread``: the data-parallel runs' max - min) and every evaluation for the plot.
+  The variants at H=10, against the same data-parallel runs and seeds: int8 and int4
+  outer gradients (``loss_gap_int8_h10``, ``loss_gap_int4_h10``) and Streaming DiLoCo
+  with 2 fragments and a delay of 1 step (``loss_gap_streaming_h10``). Each gap is
+  compared with ``quality_target``, ``max(3 x seed_spread, 2 % of the data-parallel
+  loss)`` (``within_target_*``).
+
+``--arms`` runs some arms only and merges them into the existing ``--json``: every
+field kept, those arms' runs and gaps replaced, the gaps taken against the file's
+data-parallel runs (unless ``data_parallel`` is among the arms), the command appended
+to ``merged_commands``.
 
 ``--toy`` runs both parts at smoke-test size (a small MLP, random tokens, a few steps).
 
 Example::
 
     python -m benchmarks.islands --json benchmarks/results/islands.json
+    python -m benchmarks.islands --arms diloco_h10_int8 diloco_h10_int4 diloco_h10_streaming
     python -m benchmarks.islands --toy --json /tmp/islands.json
 """
 
@@ -295,6 +306,7 @@ def train(
         jax.block_until_ready(loss)
         if i % eval_every == 0 or i == steps:
             curve.append((i, recipe.heldout_loss(view(state).params, eval_rows)))
+            print(f"  step {i}: held-out loss {curve[-1][1]:.4f}", flush=True)
     return {"curve": curve, "final": curve[-1][1], "seconds": time.perf_counter() - start}
 
 
@@ -349,13 +361,18 @@ def plot(result: dict[str, Any], path: Path) -> None:
         losses = np.array([[v for _, v in r["curve"]] for r in runs])
         x = np.array(steps) * tokens / 1e6
         label = (
-            "data parallel" if name == "data_parallel" else name.replace("diloco_h", "DiLoCo, H = ")
+            "data parallel"
+            if name == "data_parallel"
+            else name.replace("diloco_h", "DiLoCo, H = ")
+            .replace("_streaming", ", streaming F = 2, d = 1")
+            .replace("_", ", ")
         )
         ax.plot(x, losses.mean(0), label=label)
         ax.fill_between(x, losses.min(0), losses.max(0), alpha=0.2)
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("held-out loss (nats per byte)")
-    ax.set_title(f"TinyShakespeare, {result['islands']} islands, {len(runs)} seeds")
+    seeds = len(result["runs"]["data_parallel"])
+    ax.set_title(f"TinyShakespeare, {result['islands']} islands, up to {seeds} seeds")
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
@@ -367,6 +384,62 @@ def NESTEROV(optax: Any) -> Any:  # noqa: N802 - DiLoCo's outer optimizer
     return optax.sgd(0.7, momentum=0.9, nesterov=True)
 
 
+# An arm's name says what it trains: "data_parallel", or "diloco_h<H>" with a variant:
+# "_int8" / "_int4" (the outer gradients' codec) or "_streaming" (Streaming DiLoCo, 2
+# fragments, the exchange applied 1 step after its snapshot).
+_ARM = re.compile(r"diloco_h(\d+)(?:_(int8|int4|streaming))?")
+VARIANTS = ("int8", "int4", "streaming")
+
+
+def strategy_of(arm: str, islands: int) -> Any:
+    """The strategy an arm's name describes."""
+    import optax
+
+    import distrain as dt
+
+    if arm == "data_parallel":
+        return dt.MirroredStrategy()
+    m = _ARM.fullmatch(arm)
+    if m is None:
+        raise SystemExit(
+            f"benchmarks/islands.py: unknown arm {arm!r}; an arm is data_parallel or "
+            "diloco_h<H> with an optional _int8, _int4 or _streaming (e.g. diloco_h10_int4)."
+        )
+    variant = m.group(2)
+    kwargs: dict[str, Any] = {}
+    if variant in ("int8", "int4"):
+        kwargs["outer_dtype"] = variant
+    elif variant == "streaming":
+        kwargs.update(fragments=2, fragment_sync_delay=1)
+    return dt.experimental.DiLoCoStrategy(
+        islands=islands, sync_every=int(m.group(1)), outer_optimizer=NESTEROV(optax), **kwargs
+    )
+
+
+def gap_suffix(arm: str) -> str:
+    """The suffix of an arm's result fields: ``h10`` (diloco_h10), ``int8_h10``."""
+    m = _ARM.fullmatch(arm)
+    assert m is not None, arm
+    return f"{m.group(2)}_h{m.group(1)}" if m.group(2) else f"h{m.group(1)}"
+
+
+def score(result: dict[str, Any]) -> None:
+    """Fills ``seed_spread``, ``quality_target`` and each DiLoCo arm's ``loss_gap_*``
+    (mean over its seeds of DiLoCo minus data parallel, seed by seed) and
+    ``within_target_*``."""
+    dp = [r["final"] for r in result["runs"]["data_parallel"]]
+    result["seed_spread"] = max(dp) - min(dp)
+    target = max(3 * result["seed_spread"], 0.02 * float(np.mean(dp)))
+    result["quality_target"] = target
+    for arm, runs in result["runs"].items():
+        if arm == "data_parallel":
+            continue
+        gaps = [d["final"] - p for d, p in zip(runs, dp[: len(runs)], strict=True)]
+        suffix = gap_suffix(arm)
+        result[f"loss_gap_{suffix}"] = float(np.mean(gaps))
+        result[f"within_target_{suffix}"] = abs(result[f"loss_gap_{suffix}"]) <= target
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--toy", action="store_true", help="smoke-test size")
@@ -374,6 +447,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, default=3)
     parser.add_argument("--islands", type=int, default=4)
     parser.add_argument("--sync-every", type=int, nargs="+", default=[10, 50])
+    parser.add_argument(
+        "--arms", nargs="+", default=None, help="run these arms only, merged into --json"
+    )
     parser.add_argument("--rows-per-replica", type=int, default=4)
     parser.add_argument("--eval-rows", type=int, default=512)
     parser.add_argument("--data", type=Path, default=DATA)
@@ -386,17 +462,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return {}
     if args.toy:
         args.steps, args.seeds, args.sync_every, args.eval_rows = 10, 1, [5], 64
+    arms = args.arms or [
+        "data_parallel",
+        *(f"diloco_h{h}" for h in args.sync_every),
+        *([] if args.toy else [f"diloco_h10_{v}" for v in VARIANTS]),
+    ]
     os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     os.environ.setdefault("JAX_PLATFORMS", "cpu")
     import jax
-    import optax
 
-    import distrain as dt
-
+    command = "python -m benchmarks.islands " + " ".join(argv if argv is not None else sys.argv[1:])
     recipe = Recipe(TOY if args.toy else [], args.steps, args.data, args.rows_per_replica)
-    result: dict[str, Any] = {
-        "command": "python -m benchmarks.islands "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
+    shape = {
         "devices": jax.device_count(),
         "backend": jax.default_backend(),
         "jax": jax.__version__,
@@ -404,38 +481,75 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "steps": args.steps,
         "global_batch_rows": args.rows_per_replica * jax.device_count(),
         "seq_len": recipe.seq_len,
-        **communication(recipe, args.islands),
-        "runs": {},
     }
+    strategies = {arm: strategy_of(arm, args.islands) for arm in arms}  # names checked first
+    if args.arms is not None:
+        _check_mergeable(args.json, shape, args.seeds, "data_parallel" in arms)
+        result: dict[str, Any] = {}
+    else:
+        result = {"command": command, **shape, **communication(recipe, args.islands)}
+    runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     eval_every = max(1, args.steps // 10)
-    for seed in range(args.seeds):
-        runs = {"data_parallel": dt.MirroredStrategy()}
-        for h in args.sync_every:
-            runs[f"diloco_h{h}"] = dt.experimental.DiLoCoStrategy(
-                islands=args.islands, sync_every=h, outer_optimizer=NESTEROV(optax)
-            )
-        for name, strategy in runs.items():
-            r = train(recipe, strategy, seed, args.steps, eval_every, args.eval_rows)
-            result["runs"].setdefault(name, []).append(r)
-            print(f"seed {seed} {name}: held-out loss {r['final']:.4f} ({r['seconds']:.0f} s)")
-    dp = [r["final"] for r in result["runs"]["data_parallel"]]
-    result["seed_spread"] = max(dp) - min(dp)
-    for h in args.sync_every:
-        gaps = [
-            d["final"] - p["final"]
-            for d, p in zip(
-                result["runs"][f"diloco_h{h}"], result["runs"]["data_parallel"], strict=True
-            )
-        ]
-        result[f"loss_gap_h{h}"] = float(np.mean(gaps))
-        result[f"within_target_h{h}"] = abs(result[f"loss_gap_h{h}"]) <= max(
-            3 * result["seed_spread"], 0.02 * float(np.mean(dp))
-        )
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(result, indent=1) + "\n")
+    for seed in range(args.seeds):
+        for arm, strategy in strategies.items():
+            r = train(recipe, strategy, seed, args.steps, eval_every, args.eval_rows)
+            runs[arm].append(r)
+            print(f"seed {seed} {arm}: held-out loss {r['final']:.4f} ({r['seconds']:.0f} s)")
+        if args.arms is not None:  # every finished seed kept: a long run may be cut short
+            result = _merge(args.json, shape, runs, command)
+    if args.arms is None:
+        result["runs"] = runs
+        score(result)
+        args.json.write_text(json.dumps(result, indent=1) + "\n")
     if args.plot is not None:
         plot(result, args.plot)
     print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
+    return result
+
+
+def _check_mergeable(path: Path, shape: dict[str, Any], seeds: int, new_dp: bool) -> None:
+    """Before training: ``--arms`` can merge into ``path`` (the same runs, the
+    data-parallel runs of every seed it trains)."""
+    if not path.is_file():
+        if new_dp:
+            return
+        raise SystemExit(
+            f"benchmarks/islands.py --arms: no {path} to merge into, and data_parallel is not "
+            "among the arms (the gaps are taken against its runs). Add data_parallel to "
+            "--arms or pass the --json of a full run."
+        )
+    result = json.loads(path.read_text())
+    differs = {k: (result.get(k), v) for k, v in shape.items() if result.get(k) != v}
+    dp_seeds = len(result.get("runs", {}).get("data_parallel", []))
+    if differs or (not new_dp and dp_seeds < seeds):
+        raise SystemExit(
+            f"benchmarks/islands.py --arms: {path} describes other runs (file, now: "
+            f"{differs or {'data-parallel seeds': (dp_seeds, seeds)}}), so the arms would not "
+            "share its data-parallel runs and seeds. Pass the same options as its `command` "
+            "(at most its seeds), or another --json."
+        )
+
+
+def _merge(path: Path, shape: dict[str, Any], runs: dict[str, Any], command: str) -> dict:
+    """``runs`` merged into the result file at ``path`` (read again now, under a lock, so
+    that invocations on other arms running at the same time keep theirs): its fields
+    kept, these arms' runs replaced, the gaps recomputed, the command appended to
+    ``merged_commands``."""
+    import fcntl
+
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        text = f.read()
+        result = json.loads(text) if text.strip() else {**shape, "runs": {}}
+        result["runs"].update(runs)
+        if command not in result.setdefault("merged_commands", []):
+            result["merged_commands"].append(command)
+        score(result)
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps(result, indent=1) + "\n")
     return result
 
 

@@ -30,8 +30,8 @@ from distrain._src.islands.outer import (
 )
 from distrain._src.islands.schedule import DiLoCoConfig, fragment_ids
 
-SHARED = pathlib.Path(__file__).resolve().parents[2] / "shared"
-TORCHFT = SHARED / "reference" / "torchft-diloco"
+# Vendored with their BSD license and attribution: tests/fixtures/torchft/README.md.
+TORCHFT = pathlib.Path(__file__).resolve().parent / "fixtures" / "torchft"
 
 
 def _itself(state):
@@ -66,7 +66,7 @@ def _run(config, state, update, steps, *args, **kw):
 # --- torchft's Streaming DiLoCo regression fixtures ------------------------------------
 
 # (file index, fragment_sync_delay, fragment_update_alpha): the table of the README in
-# ../shared/reference/torchft-diloco/, the parameters of torchft's
+# tests/fixtures/torchft/, the parameters of torchft's
 # diloco_regression_test.py that generated each file.
 TORCHFT_CASES = [(0, 0, 0.0), (1, 0, 0.5), (2, 0, 1.0), (3, 1, 0.0), (4, 1, 0.5), (5, 1, 1.0)]
 LAYERS = ("layers.0.weight", "layers.1.weight")
@@ -74,11 +74,6 @@ TORCHFT_TEST = "torchft.diloco_regression_test.DiLoCoMockedUpdateTest"
 
 
 def _torchft_fixture(index: int) -> list:
-    if not TORCHFT.is_dir():
-        pytest.skip(
-            f"torchft's fixtures are not here: {TORCHFT} (the shared/ directory "
-            "beside the repository) is absent"
-        )
     name = f"{TORCHFT_TEST}.test_diloco_mocked_updates_{index}.json"
     return json.loads((TORCHFT / name).read_text())
 
@@ -453,6 +448,49 @@ def test_codec_error_bounds_on_random_tensors(outer_dtype):
         scale = float(jnp.max(jnp.abs(x))) / {"int8": 127, "int4": 7}[outer_dtype]
         assert np.all(err <= scale / 2 * (1 + 2.0**-20))
         assert err.max() > scale / 4  # the bound is tight, not vacuous
+
+
+def _with_outliers(rng: np.random.Generator, shape: tuple[int, ...], scale: float) -> np.ndarray:
+    """Heavy-tailed values (Student's t, 3 degrees of freedom) and a few entries 100x
+    the typical size, of both signs: what a pseudo-gradient's embedding rows look like."""
+    x = scale * rng.standard_t(3, shape).astype(np.float32)
+    flat = x.reshape(-1)
+    where = rng.choice(flat.size, 5, replace=False)
+    flat[where] = 100 * scale * np.array([1, -1, 1, -1, 1], np.float32)
+    return x
+
+
+@pytest.mark.parametrize("outer_dtype", ["bfloat16", "int8", "int4"])
+def test_quantized_pseudo_gradient_of_real_sized_tensors_with_outliers(outer_dtype):
+    """A pseudo-gradient of real layers' sizes (a 768 x 1024 kernel, an odd-sized tensor,
+    a bias), 4 islands whose differences have heavy tails and outliers: every element of
+    the decoded mean is within the mean of the islands' codec bounds (``scale / 2`` per
+    island for absmax, ``2**-8`` relative for bfloat16), the outliers included; the bound
+    is reached and the error has no bias. A codec that truncates, clips the outliers,
+    packs a nibble into the wrong place or scales by another statistic exceeds it."""
+    rng = np.random.default_rng(11)
+    shapes = {"kernel": (768, 1024), "odd": (1001, 3), "bias": (257,)}
+    g = {k: _normal(rng, s) for k, s in shapes.items()}
+    islands = {
+        k: g[k][None] - np.stack([_with_outliers(rng, s, 1e-3 * (i + 1)) for i in range(4)])
+        for k, s in shapes.items()
+    }
+    quant = jax.jit(partial(pseudo_gradient, outer_dtype=outer_dtype))(g, islands)
+    for k in shapes:
+        d64 = (g[k][None] - islands[k]).astype(np.float64)  # what each island encodes
+        exact = d64.mean(0)
+        err = np.asarray(quant[k], np.float64) - exact
+        if outer_dtype == "bfloat16":
+            bound = np.mean(np.abs(d64), axis=0) * 2.0**-8
+        else:
+            qmax = {"int8": 127, "int4": 7}[outer_dtype]
+            scales = np.abs(d64).reshape(4, -1).max(1) / qmax
+            bound = np.full(exact.shape, scales.mean() / 2)
+        # float32 rounding of the decoded values and their mean: a few ulps of each.
+        slack = 4 * np.finfo(np.float32).eps * (np.abs(d64).mean(0) + bound)
+        worst = float(np.max(np.abs(err) / (bound + slack)))  # of the bound
+        assert 0.25 < worst <= 1.0, f"{k}: the largest error is {worst:.3g} of the bound"
+        assert abs(err.mean()) <= 6 * err.std() / np.sqrt(err.size), k  # unbiased
 
 
 def test_codec_names_accept_dtypes():

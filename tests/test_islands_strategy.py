@@ -8,9 +8,12 @@ at H = 1.
 
 from __future__ import annotations
 
+import json
 import pathlib
 import re
 import sys
+import threading
+import time
 import warnings
 
 import jax
@@ -444,6 +447,55 @@ def test_trainer_fit_counts_every_batch_as_an_inner_step(devices, steps_per_exec
     )
 
 
+def test_trainer_fit_on_xla_cpu_keeps_one_step_in_flight(devices):
+    """With two steps in flight XLA:CPU aborted the process in the islands' outer
+    all-reduce under load ("Expected 4 threads to join the rendezvous, but only 3 of them
+    arrived"), so on the CPU backend a step is dispatched once the one before it is done.
+    Trainer.fit on 8 CPU devices, 4 islands, an outer step every 2 steps, 200 steps: each
+    dispatch returns only after the step before it has finished (every step holds a
+    device 5 ms in a host callback, so with two in flight the one before is still
+    running), and the fit ends at step 200 with finite losses."""
+    done: list[int] = []  # one entry per device per step: the step's 0-based index
+    lock = threading.Lock()
+
+    def hold(step):
+        with lock:
+            first = int(step) not in done
+        if first:  # one device per step waits: the step ends when its last device does
+            time.sleep(0.005)
+        with lock:
+            done.append(int(step))
+
+    def slow_step(state, batch):
+        jax.debug.callback(hold, state.step)
+        return _trainer_step(state, batch)
+
+    strategy = dt.experimental.DiLoCoStrategy(islands=4, sync_every=2, outer_optimizer=NESTEROV)
+    finished_at_return: list[int] = []  # per training dispatch: steps done when it returned
+    run = strategy.run
+
+    def observed_run(fn, args=(), kwargs=None, **options):
+        out = run(fn, args, kwargs, **options)
+        if any(isinstance(x, dt.experimental.DiLoCoState) for x in args):
+            with lock:
+                counts = np.bincount(done, minlength=len(finished_at_return) + 1)
+            finished_at_return.append(int(np.sum(counts == len(devices))))
+        return out
+
+    strategy.run = observed_run  # the real run, observed from outside
+    rng = np.random.default_rng(9)
+    batches = [{"x": x, "y": y} for x, y in _data(rng, 200)]
+    trainer = dt.Trainer(strategy, slow_step, steps_per_execution=1)
+    state, history = trainer.fit(
+        dt.TrainState.create(params=_params(rng), tx=optax.adam(0.01)), batches, epochs=1
+    )
+    assert int(state.step) == 200 and len(finished_at_return) == 200
+    # The k-th dispatch (0-based) returned with at least the k steps before it done.
+    late = [k for k, n in enumerate(finished_at_return) if n < k]
+    assert not late, f"{len(late)} of 200 dispatches returned before the step before them"
+    assert np.isfinite(history.history["loss"]).all()
+
+
 @pytest.mark.parametrize("outer_dtype", ["bfloat16", "int8", "int4"])
 def test_quantized_outer_gradients_cross_islands_at_their_width(devices, outer_dtype):
     """The outer step's cross-island all-gathers carry the codec's bytes, per island:
@@ -469,6 +521,42 @@ def test_quantized_outer_gradients_cross_islands_at_their_width(devices, outer_d
         "int4": sum(-(-n // 2) + 4 for n in sizes),
     }[outer_dtype]
     assert sum(c.bytes for c in gathered) == 4 * per_island
+
+
+def test_benchmark_arms_and_their_merge_into_a_result_file(devices, tmp_path):
+    """benchmarks/islands.py --arms: each arm's name builds its strategy; a result file
+    that describes other runs (or none, without data-parallel runs) is refused before
+    training; a merge keeps every field of the file and scores the arm against the
+    file's data-parallel runs of the same seeds."""
+    from benchmarks import islands as bench
+
+    config = bench.strategy_of("diloco_h10_streaming", 4).config
+    assert (config.sync_every, config.num_fragments, config.fragment_sync_delay) == (10, 2, 1)
+    assert bench.strategy_of("diloco_h10_int4", 4).config.outer_dtype == "int4"
+    with pytest.raises(SystemExit, match="unknown arm 'diloco_h10_fp8'"):
+        bench.strategy_of("diloco_h10_fp8", 4)
+
+    def run(final):
+        return {"curve": [[600, final]], "final": final, "seconds": 1.0}
+
+    shape = {"steps": 600, "islands": 4}
+    path = tmp_path / "islands.json"
+    with pytest.raises(SystemExit, match="no .* to merge into"):
+        bench._check_mergeable(path, shape, 1, new_dp=False)
+    kept = {**shape, "command": "full", "runs": {"data_parallel": [run(2.0), run(2.1)]}}
+    path.write_text(json.dumps(kept))
+    with pytest.raises(SystemExit, match=r"describes other runs .*'steps': \(600, 10\)"):
+        bench._check_mergeable(path, {**shape, "steps": 10}, 1, new_dp=False)
+    with pytest.raises(SystemExit, match="'data-parallel seeds': \\(2, 3\\)"):
+        bench._check_mergeable(path, shape, 3, new_dp=False)
+    bench._check_mergeable(path, shape, 1, new_dp=False)
+    result = bench._merge(path, shape, {"diloco_h10_int8": [run(2.5)]}, "python -m ... --arms")
+    assert json.loads(path.read_text()) == result and result["command"] == "full"
+    assert result["runs"]["data_parallel"] == kept["runs"]["data_parallel"]
+    assert result["loss_gap_int8_h10"] == pytest.approx(0.5)  # seed 0 against seed 0
+    assert result["quality_target"] == pytest.approx(0.3)  # 3 x the spread 0.1 > 2 %
+    assert result["within_target_int8_h10"] is False
+    assert result["merged_commands"] == ["python -m ... --arms"]
 
 
 # --- several processes ----------------------------------------------------------------
@@ -664,3 +752,29 @@ def test_values_from_function_number_replicas_across_islands(devices):
     )
     got = [tuple(int(v) for v in x) for x in strategy.experimental_local_results(values)]
     assert got == [(r, r // 2, 8) for r in range(8)]
+
+
+def test_config_errors_name_the_config_fields(devices):
+    """Issue 51: on a 1-device machine the DiLoCo config command said `islands=4 must
+    divide the 1 devices ... or pass `devices`` (the Python argument), and a missing
+    sync_every said `... is required: None.`"""
+    from distrain._src.train.run import build_strategy
+
+    with pytest.raises(dt.config.ConfigError) as missing:
+        dt.config.load_config(QUICKSTART, DILOCO[:2])
+    assert str(missing.value).endswith(
+        "Config field 'strategy.islands.sync_every' is required: H, the inner steps between "
+        "outer steps, e.g. 50."
+    )
+    with pytest.raises(dt.config.ConfigError) as shape:  # a required field with no text
+        dt.config.load_config(QUICKSTART, ["data.abstract={x: {dtype: float32}}"])
+    assert str(shape.value).endswith("is required (it has no default).")
+    cfg = dt.config.load_config(QUICKSTART, [*DILOCO, "strategy.devices=[cpu:0, cpu:1, cpu:2]"])
+    with pytest.raises(
+        dt.config.ConfigError,
+        match=r"^Config field 'strategy.islands.islands' \(4\) must divide the 3 devices \(equal "
+        r"islands\). Use one of \[1, 3\], choose the devices with strategy.devices=\[...\], or "
+        r"on a CPU start more \(virtual\) devices, as docs/islands.md does: "
+        r"XLA_FLAGS=--xla_force_host_platform_device_count=8 distrain train ...$",
+    ):
+        build_strategy(cfg.strategy)

@@ -128,7 +128,11 @@ def encode(x: jax.typing.ArrayLike, outer_dtype: OuterDType) -> Encoded:
     if outer_dtype == "float32":
         return Encoded(x, None)
     if outer_dtype == "bfloat16":
-        return Encoded(x.astype(jnp.bfloat16), None)
+        # reduce_precision first: XLA drops a float32 -> bfloat16 -> float32 round trip
+        # inside one program (excess precision allowed), and did in pseudo_gradient
+        # without a strategy, which then returned float32's result.
+        rounded = jax.lax.reduce_precision(x, exponent_bits=8, mantissa_bits=7)
+        return Encoded(rounded.astype(jnp.bfloat16), None)
     qmax = _QMAX[outer_dtype]
     scale = jnp.max(jnp.abs(x)) / qmax if x.size else jnp.zeros((), jnp.float32)
     codes = jnp.clip(jnp.round(x / jnp.where(scale > 0, scale, 1.0)), -qmax, qmax)

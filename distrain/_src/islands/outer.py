@@ -19,8 +19,18 @@ The round (see ``schedule.py`` for the exact semantics, torchft's):
 
 At most one of 2 and 3 happens after a step (``d < H / F`` keeps their positions
 apart), so :func:`after_inner_step` is one ``lax.switch`` on the counter, inside the
-compiled step. Every counter is an array leaf of :class:`DiLoCoState`: a state restored
-into a fresh template resumes mid-round, with the exchange in flight, exactly.
+compiled step.
+
+"In flight" is a delayed application, not an overlap: the exchange of step 2 (the
+collective over the islands, under a strategy) runs inside step ``s - d``'s program,
+which ends when it is done; the next ``d`` steps compute with it finished, and step 3
+applies the stored result. Streaming DiLoCo's maths (torchft's fixtures) hold; its
+speed-up does not here. Hiding the exchange behind the ``d`` steps needs a collective
+that starts in one step and completes in a later one, which XLA can run asynchronously
+on GPU; on CPU its collectives are synchronous.
+
+Every counter is an array leaf of :class:`DiLoCoState`: a state restored into a fresh
+template resumes mid-round, with the exchange in flight, exactly.
 """
 
 from __future__ import annotations
@@ -59,8 +69,8 @@ class DiLoCoState:
         island axis.
       step: int32, the inner steps taken; the position in the round is
         ``step % sync_every``.
-      in_flight: with ``fragment_sync_delay > 0``, the mean pseudo-gradients whose
-        exchange is in progress (the parameters' structure, float32; each fragment's
+      in_flight: with ``fragment_sync_delay > 0``, the mean pseudo-gradients exchanged
+        and not yet applied (the parameters' structure, float32; each fragment's
         leaves are meaningful between its snapshot and its sync); ``None`` otherwise.
     """
 

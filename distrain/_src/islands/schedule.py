@@ -10,8 +10,9 @@ The semantics are those torchft's Streaming DiLoCo regression fixtures encode
   ``s ≡ (f + 1) · H / F (mod H)``, ``H = sync_every``: with ``H = 6, F = 2`` fragment 0
   after steps 3, 9, 15, ... and fragment 1 after 6, 12, ...; plain DiLoCo is ``F = 1``;
 * with ``fragment_sync_delay = d`` the fragment's pseudo-gradient is taken from the
-  local parameters after step ``s - d`` (the exchange then overlaps ``d`` inner steps)
-  and applied after step ``s``; ``d < H / F``, so at most one fragment is in flight;
+  local parameters after step ``s - d`` and applied after step ``s``; ``d < H / F``, so
+  at most one fragment is in flight. Here that is a delayed application: the exchange
+  runs inside step ``s - d`` (``outer.py``), and the ``d`` steps do not overlap it;
 * ``fragment_update_alpha = α``: after a sync, local ← α·local + (1 − α)·global, where
   local is the island's parameters after step ``s`` (α = 0: the islands take the
   global parameters bit for bit; α = 1: they keep theirs).
@@ -46,7 +47,9 @@ class DiLoCoConfig:
         even as ``np.array_split`` makes them) or a sequence of regular expressions:
         fragment ``i`` holds the leaves whose path (``"dense/kernel"``) the ``i``-th
         pattern is the first to ``re.search``.
-      fragment_sync_delay: ``d``, the inner steps a fragment's exchange overlaps.
+      fragment_sync_delay: ``d``, the inner steps between a fragment's exchange and
+        the application of its result (Streaming DiLoCo's overlap window; here the
+        exchange runs synchronously in the first of them, see ``outer.py``).
       fragment_update_alpha: ``α`` in [0, 1], the weight of the local copy in the merge.
       outer_dtype: the codec of the outer gradients each island sends: ``"float32"``
         (or None), ``"bfloat16"``, ``"int8"`` or ``"int4"`` (see ``codecs.py``).

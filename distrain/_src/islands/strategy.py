@@ -70,7 +70,10 @@ class DiLoCoStrategy(Strategy):
     ``sync_every`` inner steps (``docs/islands.md``).
 
     Inside an island everything is ``MirroredStrategy`` (replicas that span devices,
-    named inner axes, layouts); across islands only the outer step communicates.
+    named inner axes, layouts); across islands only the outer step communicates. On the
+    CPU backend ``run`` (and so ``Trainer.fit``) keeps one step in flight, not two: the
+    host dispatches a step once the one before it is done (XLA:CPU aborted in the outer
+    all-reduce with two in flight).
 
     Args:
       islands: the number of islands, equal groups of the devices in order.
@@ -81,8 +84,11 @@ class DiLoCoStrategy(Strategy):
       fragments: Streaming DiLoCo's ``F``: an int (contiguous groups of parameter leaves)
         or a list of path patterns; fragment ``f`` syncs after steps ``s`` with
         ``s % H == (f + 1) * H / F % H``.
-      fragment_sync_delay: ``d``, the inner steps a fragment's exchange overlaps: its
-        pseudo-gradient is taken after step ``s - d`` and applied after step ``s``.
+      fragment_sync_delay: ``d``, a delayed application: a fragment's pseudo-gradient
+        is taken and exchanged after step ``s - d`` (its collective runs inside that
+        step's program, synchronously) and applied after step ``s``. Nothing overlaps
+        the exchange yet: that needs a backend whose collectives XLA runs asynchronously
+        (GPU) and a collective started in one step and finished in another.
       fragment_update_alpha: ``α`` in [0, 1]: after a sync each island keeps
         ``α·local + (1 - α)·global`` (0: the global parameters exactly).
       outer_dtype: what each island sends: ``"float32"``, ``"bfloat16"``, ``"int8"`` or
@@ -154,6 +160,10 @@ class DiLoCoStrategy(Strategy):
         super().__init__(
             found,
             cross_device_ops,
+            # XLA:CPU aborted the process in the islands' outer all-reduce with two steps
+            # in flight, under load ("Expected 4 threads to join the rendezvous, but only 3
+            # of them arrived"): on CPU a step is dispatched once the one before it is done.
+            max_in_flight=1 if all(d.platform == "cpu" for d in found) else 2,
             devices_per_replica=devices_per_replica,
             layout=layout,
             logical_axis_rules=logical_axis_rules,
