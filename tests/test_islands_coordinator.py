@@ -106,7 +106,7 @@ def test_a_round_save_longer_than_death_timeout_stops_no_heartbeat(tmp_path):
 
 
 def test_an_island_restarted_after_it_submitted_waits_for_the_next_round(tmp_path):
-    coord = _coordinator(tmp_path)
+    coord = _coordinator(tmp_path, death_timeout=30.0)  # no heartbeats here: no deaths
     tokens = _start(coord)
     coord.submit(1, tokens[1], 0, _grads(3.0))
     # Island 1 dies after submitting and its restart joins before round 0 closes: its
@@ -119,6 +119,7 @@ def test_an_island_restarted_after_it_submitted_waits_for_the_next_round(tmp_pat
     r, params, finished, _ = coord.wait_round(1, new, -1, timeout=5)
     assert (r, finished) == (1, False)
     np.testing.assert_allclose(params[0], PARAMS[0] - 2.0)  # both submissions counted
+    coord.leave(0, tokens[0])  # island 1 trains the last rows alone
     positions, _ = coord.lease(1, new, 1)
     assert len(positions) == 2  # 10 rows, 8 committed in round 0
     coord.submit(1, new, 1, _grads(1.0))

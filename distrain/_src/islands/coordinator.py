@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import collections
 import contextlib
-import copy
 import dataclasses
 import functools
 import json
@@ -405,7 +404,8 @@ class IslandCoordinator:
                         f"parameters have {[np.shape(p) for p in self._params]}. Nothing was "
                         "applied."
                     )
-            self._round_times.append(arrived - self._leased_at.pop(island, arrived))
+            if island in self._leased_at:  # a lease of an earlier attempt has no time
+                self._round_times.append(arrived - self._leased_at.pop(island))
             self._heartbeats[island] = time.time()
             if self.config.mode == "async":
                 return self._submit_async(island, pseudo_gradient, dict(metrics or {}))
@@ -571,14 +571,14 @@ class IslandCoordinator:
         lease weighs nothing), commits their rows and saves; the new state replaces the
         old in memory only once it is saved. The update and the save run without the
         lock (heartbeats go on), from a snapshot: the submissions, the parameters and
-        a copy of the ledger with their rows committed."""
+        the ledger's state with their rows committed."""
         import jax
 
         ready = time.time()  # every member submitted or was declared dead
         r, subs = self.round, dict(self._submissions)
         islands = sorted(subs)
-        ledger = copy.deepcopy(self.ledger)
-        positions = ledger.commit(islands)
+        positions = self.ledger.pending_of(islands)
+        ledger_state = self.ledger.state_dict(committing=islands)
         island_steps = dict(self._island_steps)
         for i in islands:
             island_steps[i] = island_steps.get(i, 0) - (-subs[i].rows // self.config.batch_size)
@@ -601,7 +601,7 @@ class IslandCoordinator:
                     "round": r + 1,
                     "structure": self.structure,
                     "config": dataclasses.asdict(self.config),
-                    "ledger": ledger.state_dict(),
+                    "ledger": ledger_state,
                     "island_steps": {str(i): n for i, n in island_steps.items()},
                 }
                 what = f"checkpoint could not be written to {self.directory}"
@@ -617,7 +617,7 @@ class IslandCoordinator:
             )
             return
         self._params, self._opt_leaves = params, opt_leaves
-        self.ledger.commit(islands)  # the copy's commit, on the live ledger
+        self.ledger.commit(islands)
         self._island_steps = island_steps
         self._event(
             "round",

@@ -139,7 +139,8 @@ def joined_state(initial: Any, params: Any, step: int) -> Any:
     from its own count: each is continued, so the island's first update uses the
     learning rate of step ``step``, as its live peers do. The moments stay at their
     initial values. Every leaf named ``count`` in a NamedTuple or dataclass of the
-    optimizer state is set, however nested (chains, ``masked``, ``inject_hyperparams``).
+    optimizer state is set, however nested (chains, ``masked``, ``inject_hyperparams``);
+    a custom transformation's state field named ``count`` is taken for a step count too.
 
     Raises:
       ValueError: an ``optax.MultiSteps`` state, whose counts are of updates (one per
@@ -150,7 +151,7 @@ def joined_state(initial: Any, params: Any, step: int) -> Any:
         joined = joined.replace(step=np.asarray(step, np.int32))
     if hasattr(joined, "opt_state"):
         leaves = jax.tree_util.tree_leaves_with_path(joined.opt_state)
-        if any(_named(path) and path[-1].name == "gradient_step" for path, _ in leaves):
+        if any(_field(path, "gradient_step") for path, _ in leaves):
             raise ValueError(
                 f"an island joining at step {step} continues its optimizer's counts, but "
                 "optax.MultiSteps counts updates of k steps each, and its state does not "
@@ -161,19 +162,17 @@ def joined_state(initial: Any, params: Any, step: int) -> Any:
     return joined
 
 
-def _named(path: tuple[Any, ...]) -> bool:
-    """A leaf that is a field of a NamedTuple or a dataclass."""
-    return bool(path) and isinstance(path[-1], jax.tree_util.GetAttrKey)
-
-
-def _is_count(path: tuple[Any, ...]) -> bool:
-    return _named(path) and path[-1].name == "count"
+def _field(path: tuple[Any, ...], name: str) -> bool:
+    """A leaf that is the field ``name`` of a NamedTuple or a dataclass."""
+    return bool(path) and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == name
 
 
 def _with_counts(opt_state: Any, step: int) -> Any:
     """``opt_state`` with every ``count`` field (a NamedTuple's or a dataclass's) at ``step``."""
     return jax.tree_util.tree_map_with_path(
-        lambda path, x: np.full(np.shape(x), step, np.dtype(x.dtype)) if _is_count(path) else x,
+        lambda path, x: (
+            np.full(np.shape(x), step, np.dtype(x.dtype)) if _field(path, "count") else x
+        ),
         opt_state,
     )
 
@@ -181,7 +180,11 @@ def _with_counts(opt_state: Any, step: int) -> Any:
 def optimizer_counts(opt_state: Any) -> list[int]:
     """Every ``count`` in an optimizer state, in pytree order (logged when an island
     joins: the benchmark checks them against ``round x sync_every``)."""
-    return [int(x) for path, x in jax.tree_util.tree_leaves_with_path(opt_state) if _is_count(path)]
+    return [
+        int(x)
+        for path, x in jax.tree_util.tree_leaves_with_path(opt_state)
+        if _field(path, "count")
+    ]
 
 
 def _ids(island: int | None, islands: int | None) -> tuple[int, int]:
@@ -230,7 +233,8 @@ class _SigTerm:
     ends it at once. Replaced: Ray's own handler (``sys.exit(15)``: a failure, after
     2-4 s of interpreter shutdown) and the C-level one Ray's core worker installs over
     it, which printed a stack trace of the SIGTERM. Only on the main thread (where
-    Python sets handlers).
+    Python sets handlers). Not `checkpoint.preemption.PreemptionHandler`: it saves, then
+    exits with ``SystemExit``, which Ray's ``get`` turns into a failure.
     """
 
     def __init__(self) -> None:

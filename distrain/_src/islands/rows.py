@@ -98,11 +98,17 @@ class RowLedger:
         self.returned = [int(p) for p in positions] + self.returned
         return len(positions)
 
+    def pending_of(self, islands: Iterable[int]) -> np.ndarray:
+        """The positions these islands submitted in the open round, in island order."""
+        done = [self.pending[i] for i in sorted(islands)]
+        return np.concatenate(done) if done else np.zeros(0, np.int64)
+
     def commit(self, islands: Iterable[int]) -> np.ndarray:
         """The open round was applied with these islands' submissions: their positions
         are committed (returned, in island order)."""
-        done = [self.pending.pop(i) for i in sorted(islands)]
-        positions = np.concatenate(done) if done else np.zeros(0, np.int64)
+        positions = self.pending_of(islands)
+        for i in islands:
+            del self.pending[i]
         self.committed += len(positions)
         return positions
 
@@ -137,11 +143,15 @@ class RowLedger:
         return self._perm[1]
 
     # ------------------------------------------------------------- checkpoint
-    def state_dict(self) -> dict[str, Any]:
-        """The committed state. Leases still open (asynchronous islands save while others
-        train) are saved as returned: a coordinator restored from it hands them out
-        again, since the parameters saved with it never saw them."""
-        open_leases = [*self.outstanding.values(), *self.pending.values()]
+    def state_dict(self, committing: Iterable[int] = ()) -> dict[str, Any]:
+        """The committed state, as it is once ``committing``'s submissions are committed
+        (a round's checkpoint is written before the round is committed in memory).
+        Leases still open (asynchronous islands save while others train) are saved as
+        returned: a coordinator restored from it hands them out again, since the
+        parameters saved with it never saw them."""
+        committing = set(committing)
+        pending = [lease for i, lease in self.pending.items() if i not in committing]
+        open_leases = [*self.outstanding.values(), *pending]
         returned = [int(p) for lease in open_leases for p in lease] + self.returned
         return {
             "num_rows": self.num_rows,
@@ -149,7 +159,7 @@ class RowLedger:
             "seed": self.seed,
             "next": self.next,
             "returned": returned,
-            "committed": self.committed,
+            "committed": self.committed + len(self.pending_of(committing)),
         }
 
     @classmethod

@@ -49,8 +49,9 @@ def save(
     meta: dict[str, Any],
 ) -> None:
     """Round ``r`` was applied: its committed ``positions``, then the state after it
-    (the checkpoint round ``r + 1`` starts from). A failure removes the rows file:
-    nothing was committed."""
+    (the checkpoint round ``r + 1`` starts from). A failure before the checkpoint is
+    renamed into place removes the rows file: nothing was committed. After the rename
+    the round is committed on disk, rows and state together."""
     rows_path = os.path.join(directory, "rows", f"round-{r:07d}.npy")
     _write_durably(rows_path + ".tmp.npy", lambda f: np.save(f, positions))
     os.replace(rows_path + ".tmp.npy", rows_path)
@@ -67,11 +68,11 @@ def save(
         _fsync_directory(tmp)
         shutil.rmtree(final, ignore_errors=True)  # a torn one that a restore skipped
         os.replace(tmp, final)
-        _fsync_directory(os.path.dirname(final))
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(rows_path)
         raise
+    _fsync_directory(os.path.dirname(final))
     for old in _rounds(directory)[:-CHECKPOINTS_KEPT]:
         shutil.rmtree(checkpoint_dir(directory, old), ignore_errors=True)
 
