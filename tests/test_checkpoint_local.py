@@ -299,7 +299,7 @@ def test_a_peer_killed_mid_restore_ends_the_restore_with_what_to_do(two_process_
     _, saved, _ = two_process_jobs
     [(seconds, error)] = _failures(saved[0][1])
     assert seconds < 10, error
-    assert error.startswith("ConnectionError: Process 0 lost contact with another process")
+    assert error.startswith("ConnectionError: Process 0's collective with the other processes")
     assert "local checkpoint tier's restore" in error and "by peer" in error  # gloo's words
     assert "died or was killed" in error and "restart the whole job" in error
 

@@ -82,8 +82,7 @@ def test_a_kill_in_the_final_evaluation_only_evaluates_again(tmp_path, capsys, h
     records = [json.loads(s) for s in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if r["event"] == "step"] == [10, 20]  # once each
     assert not (tmp_path / "backup").exists()  # deleted once the evaluation was done
-    assert not (tmp_path / "local" / "process-0").exists()
-    assert not (tmp_path / "local" / "process-1").exists()
+    assert not (tmp_path / "local").exists()  # every process's part, then the folder
 
     assert main(["goodput", str(tmp_path)]) == 0
     assert "over 2 attempt(s), 1 failure(s) (steps lost each: 0)" in capsys.readouterr().out

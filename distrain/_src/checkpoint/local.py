@@ -626,9 +626,9 @@ def _bounded(collective: Callable[[], _T], what: str) -> _T:
         if isinstance(error, jax.errors.JaxRuntimeError):  # gloo's or NCCL's, from a peer
             first = str(error).strip().splitlines()[0][:300]
             raise ConnectionError(
-                f"Process {me} lost contact with another process during {what} "
-                f"({type(error).__name__}: {first}): a process of the job died or was "
-                f"killed; {todo}"
+                f"Process {me}'s collective with the other processes failed during {what} "
+                f"({type(error).__name__}: {first}): most often a process of the job died or "
+                f"was killed (else the error above says why); {todo}"
             ) from error
         raise error
     return outcome[0]

@@ -352,6 +352,7 @@ class BackupAndRestore(_Saver):
         self._fit_manager = self.manager
         self.restored_step = self.last_saved_step = None
         self._calls = 0
+        self._ended_finite = False  # until this fit ends finite: an aborted fit keeps its backups
         t = self._fit_trainer
         began = time.perf_counter()
         restored = self.manager.restore(target=t.state)
