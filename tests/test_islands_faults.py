@@ -479,19 +479,16 @@ def _run_with_kills(run, plan, extra=(), rows=2048, epochs=2):
 
 
 def _hang(run, pid):
-    """SIGSTOPs island 1's process ``pid`` until the coordinator declared it hung and
-    island 0 closed a round without it (at most 30 s), then SIGCONTs it."""
+    """SIGSTOPs island 1's process ``pid`` until the coordinator declared it hung (at most
+    30 s), then SIGCONTs it. Not later: once island 0 has used up the rows alone, the last
+    island out ends the coordinator, and island 1 would be told that instead (CI)."""
     stopped = time.time()
     os.kill(pid, signal.SIGSTOP)
     try:
         deadline = stopped + 30
         while time.time() < deadline:
             events = [e for e in _lines(run / "events.jsonl") if e["t"] > stopped]
-            hung = [e for e in events if e["event"] == "dead" and e["island"] == 1 and e["hung"]]
-            if hung and any(
-                e["event"] == "round" and e["islands"] == [0] and e["t"] > hung[0]["t"]
-                for e in events
-            ):
+            if any(e["event"] == "dead" and e["island"] == 1 and e["hung"] for e in events):
                 break
             time.sleep(0.05)
     finally:
@@ -552,7 +549,8 @@ def test_a_sigstopped_island_is_hung_at_the_round_deadline_and_the_other_goes_on
     assert 1.0 < alone[0]["hang_s"] <= 3.5
     timeline = _lines(run / "island-1/timeline.jsonl")
     assert [e["event"] for e in timeline].count("start") == 1  # continued, not restarted
-    assert any(e["event"] == "rejoin" and "round deadline" in e["why"] for e in timeline)
+    rejoins = [e["why"] for e in timeline if e["event"] == "rejoin"]
+    assert rejoins and "round deadline" in rejoins[0], timeline
     g0 = report(run / "island-0")
     assert g0.buckets_s["hang"] == pytest.approx(alone[0]["hang_s"], abs=0.05)
 

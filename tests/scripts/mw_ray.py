@@ -153,7 +153,11 @@ def drive(mode: str, out: str) -> int:
         second = cluster.add_node(num_cpus=1)
         ray.init(address=cluster.address, runtime_env={"env_vars": env})
     else:
-        ray.init(num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env})
+        # "local": a new instance, never the machine's current cluster (ray.init() with no
+        # address joins one that another test started: found by the suite under xdist).
+        ray.init(
+            address="local", num_cpus=2, include_dashboard=False, runtime_env={"env_vars": env}
+        )
     print(f"ray.init {time.time() - t0:.1f} s", flush=True)
     trainer = JaxTrainer(
         train,
