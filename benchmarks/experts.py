@@ -4,7 +4,7 @@ balance.
 ``python -m benchmarks.experts [--json benchmarks/results/experts.json] [--toy]``
 
 * **Memory**: the expert parameters one device holds on a replica ``{"expert": X}``
-  (``examples.lm.model.EXPERT_LAYOUT``), against one device holding them all (target:
+  (``distrain.models.EXPERT_LAYOUT``), against one device holding them all (target:
   ``1 / X`` within 5%), from the placed arrays' shards.
 * **Speed**: ``Trainer.fit`` tokens/s of the MoE LM against the dense LM with the same
   active parameters (the dense MLP ``moe_top_k`` times as wide), one device, batches
@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:
 import distrain as dt  # noqa: E402
 from benchmarks.loops import Forever  # noqa: E402
 from examples.lm import data as lm_data  # noqa: E402
-from examples.lm.model import EXPERT_LAYOUT, LMConfig, count_params  # noqa: E402
+from distrain.models import EXPERT_LAYOUT, LMConfig, count_params  # noqa: E402
 from examples.lm.train import Settings, init_state, train_step  # noqa: E402
 
 MOE = LMConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4, d_ff=256, moe_experts=8)

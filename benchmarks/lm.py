@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:
 import distrain as dt  # noqa: E402
 from benchmarks.loops import Forever  # noqa: E402
 from distrain._src.train.callbacks.throughput import peak_flops_per_device  # noqa: E402
-from examples.lm.model import flops_per_token  # noqa: E402
+from distrain.models import flops_per_token  # noqa: E402
 from examples.lm.train import Settings, init_state, settings_from_config, train_step  # noqa: E402
 
 NUM_STAGED = 4  # distinct batches cycled through

@@ -46,7 +46,7 @@ def _setup(devices: int) -> None:
 def _lm(seq: int, remat: str, attention: str | None) -> tuple[Any, Any]:
     import functools
 
-    from examples.lm.model import LMConfig
+    from distrain.models import LMConfig
     from examples.lm.train import Settings, init_state, train_step
 
     cfg = LMConfig(seq_len=seq, d_model=128, n_layers=4, n_heads=4, remat=remat)
@@ -191,7 +191,7 @@ def remat(seq: int, rounds: int, steps: int) -> dict[str, Any]:
     """Peak per device and steps/s per remat policy (8 replicas, one row each)."""
     import jax
 
-    from examples.lm.model import REMAT_POLICIES
+    from distrain.models import REMAT_POLICIES
 
     strategy = _strategy(1)
     rows = _rows(seq, 8, 1)

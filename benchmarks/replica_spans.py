@@ -57,7 +57,7 @@ def _lm(jax: Any, jnp: Any, optax: Any) -> tuple[Any, Any, Any]:
     import numpy as np
     from flax import nnx
 
-    from examples.lm.model import LMConfig, Transformer, make_apply_fn
+    from distrain.models import LMConfig, Transformer, make_apply_fn
 
     cfg = LMConfig(seq_len=128, d_model=128, n_layers=4, n_heads=4)
     graphdef, params = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         if name == "mlp":
             tensor_layout: Any = {k: P(*v) for k, v in MLP_TENSOR_LAYOUT.items()}
         else:
-            from examples.lm.model import TENSOR_PARALLEL_LAYOUT as tensor_layout
+            from distrain.models import TENSOR_PARALLEL_LAYOUT as tensor_layout
         configs: list[tuple[str, Any, Any]] = [
             (f"k={k}", k, None) for k in (1, 2, 4, 8) if jax.device_count() % k == 0
         ]

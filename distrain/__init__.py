@@ -69,6 +69,7 @@ _LAZY = {
     "data": "distrain.data",
     "experimental": "distrain.experimental",
     "goodput": "distrain.goodput",
+    "models": "distrain.models",
     "nn": "distrain.nn",
     "InputContext": "distrain._src.data.options:InputContext",
     "InputOptions": "distrain._src.data.options:InputOptions",
@@ -80,6 +81,7 @@ if TYPE_CHECKING:
     from distrain import data as data
     from distrain import experimental as experimental
     from distrain import goodput as goodput
+    from distrain import models as models
     from distrain import nn as nn
     from distrain._src.data.options import InputContext as InputContext
     from distrain._src.data.options import InputOptions as InputOptions
@@ -134,6 +136,7 @@ __all__ = [
     "initialize_tpu_system",
     "metrics",
     "mixed_precision",
+    "models",
     "nn",
     "resolve_cluster",
     "scale_regularization_loss",

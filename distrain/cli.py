@@ -90,6 +90,11 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     sub.add_parser(
+        "export",
+        help="write a run's checkpoint in the Hugging Face layout (config.json + safetensors)",
+        add_help=False,
+    )
+    sub.add_parser(
         "plan",
         help="will a config's step fit on N devices? (abstract shapes, nothing allocated)",
         add_help=False,
@@ -183,6 +188,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from distrain._src.goodput.command import main as goodput_main
 
         return run_reporting_errors("goodput", lambda: goodput_main(argv[1:]))
+    if argv and argv[0] == "export":
+        from distrain._src.models.export_command import main as export_main
+
+        return run_reporting_errors("export", lambda: export_main(argv[1:]))
     if argv and argv[0] == "plan":
         from distrain._src.train.plan import main as plan_main
 

@@ -395,7 +395,7 @@ def test_padded_rows_give_the_models_losses_of_whole_rows():
     losses as plain rows where they overlap: the padding changes nothing else."""
     from flax import nnx
 
-    from examples.lm.model import LMConfig, Transformer, make_apply_fn
+    from distrain.models import LMConfig, Transformer, make_apply_fn
     from examples.lm.train import _token_losses
 
     text = bytes(np.random.default_rng(0).integers(32, 127, 16 * 3 + 6, dtype=np.uint8))

@@ -28,7 +28,7 @@ from distrain._src.cluster.launch import free_port
 from distrain.config import load_config, run_config
 from distrain.data import ArrayPipeline
 from examples.lm import data as lm_data
-from examples.lm.model import LMConfig, Transformer, count_params, flops_per_token
+from distrain.models import LMConfig, Transformer, count_params, flops_per_token
 from examples.lm.train import (
     Perplexity,
     Settings,
@@ -359,7 +359,7 @@ def test_megatron_tensor_parallelism_with_fsdp_equals_one_device(devices, model,
     """One replica of {fsdp: 4, tensor: 2} with the example's Megatron rules and its
     hidden-state constraint: the rules lay out the parameters (and moments) as written,
     and two SGD steps give one device's parameters (summation order aside)."""
-    from examples.lm.model import TENSOR_PARALLEL_LAYOUT
+    from distrain.models import TENSOR_PARALLEL_LAYOUT
 
     strategy = dt.MirroredStrategy(
         devices_per_replica={"fsdp": 4, "tensor": 2}, layout=TENSOR_PARALLEL_LAYOUT
@@ -504,7 +504,7 @@ def test_stacked_blocks_are_the_list_model(splits):
     """The pipelined model's stacked blocks are the list model's blocks, one leading
     layer dimension: the same parameters give the same logits, packed rows included
     (segment ids and positions travel with each microbatch)."""
-    from examples.lm.model import make_apply_fn
+    from distrain.models import make_apply_fn
 
     listed = dataclasses.replace(PIPED, pipeline_microbatches=None)
     graphdef, params = nnx.split(Transformer(listed, rngs=nnx.Rngs(0)))
@@ -547,7 +547,7 @@ def test_pipelined_lm_trains_as_the_unpipelined_model(
     """The LM's 8 blocks over pipeline stages (GPipe, 4 microbatches), each stage's
     layers on its devices: two SGD steps give the one-device parameters (summation
     order aside), with gradient accumulation as well."""
-    from examples.lm.model import pipeline_layout
+    from distrain.models import pipeline_layout
 
     strategy = dt.MirroredStrategy(
         devices[:n_devices], devices_per_replica=mesh, layout=pipeline_layout(mesh)
@@ -575,7 +575,7 @@ def test_a_pipelined_checkpoint_restores_on_one_device_and_back(
 ):
     """The state of a pipelined run is the ordinary (stacked) state: its checkpoint
     restores bit for bit on one device, and one device's back onto the stages."""
-    from examples.lm.model import pipeline_layout
+    from distrain.models import pipeline_layout
 
     staged = dt.MirroredStrategy(
         devices_per_replica={"stage": 4}, layout=pipeline_layout({"stage": 4})
@@ -605,7 +605,7 @@ def test_every_remat_policy_trains_as_without_remat(devices, splits, microbatche
     """Remat changes what is kept for the backward pass, never the result: two SGD steps
     under each LMConfig.remat policy give the parameters of no remat (the pipelined
     model's path too; without a stage axis it is a scan over the layers)."""
-    from examples.lm.model import REMAT_POLICIES
+    from distrain.models import REMAT_POLICIES
 
     results = {}
     for policy in REMAT_POLICIES:

@@ -10,7 +10,7 @@ import pytest
 
 import distrain as dt
 from distrain.data import ArrayPipeline
-from examples.lm.model import EXPERT_LAYOUT, LMConfig, count_params
+from distrain.models import EXPERT_LAYOUT, LMConfig, count_params
 from examples.lm.train import Settings, init_state, train_step
 
 MOE = LMConfig(seq_len=16, d_model=32, n_layers=2, n_heads=2, moe_experts=4, moe_top_k=2)

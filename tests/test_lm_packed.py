@@ -19,7 +19,7 @@ from flax import nnx
 
 import distrain as dt
 from examples.lm import data as lm_data
-from examples.lm.model import LMConfig, Transformer
+from distrain.models import LMConfig, Transformer
 
 SCRIPT = Path(__file__).parent / "scripts" / "lm_packed_train.py"
 TIMEOUT = 180

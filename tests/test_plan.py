@@ -17,7 +17,7 @@ TINY = [
     "--config",
     "configs/lm_tiny.yaml",
     "strategy.devices_per_replica={fsdp: 4, tensor: 2}",
-    "strategy.layout=examples.lm.model:TENSOR_PARALLEL_LAYOUT",
+    "strategy.layout=distrain.models:TENSOR_PARALLEL_LAYOUT",
     "data.abstract={tokens: {shape: [129], dtype: int32}}",  # reads no data
 ]
 
@@ -137,7 +137,7 @@ def test_a_batch_that_does_not_split_and_a_peak_over_memory_are_said(devices):
     assert "model.kwargs.remat=dots_saveable" in advice
     # Fewer of the same 8 devices on the batch: 4 rows over fsdp 4, whole over tensor 2.
     assert "'strategy.devices_per_replica={fsdp: 4, tensor: 2}' with " in advice
-    assert "strategy.layout=examples.lm.model:TENSOR_PARALLEL_LAYOUT" in advice
+    assert "strategy.layout=distrain.models:TENSOR_PARALLEL_LAYOUT" in advice
     assert "1 per device" in advice
     assert "the state alone (1.25 MiB per device) does not fit" in advice
     text = _report(got, 1)

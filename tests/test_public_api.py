@@ -31,6 +31,7 @@ PUBLIC = (
     "distrain.goodput",
     "distrain.metrics",
     "distrain.mixed_precision",
+    "distrain.models",
     "distrain.nn",
 )
 
@@ -192,6 +193,7 @@ EXTENSION_POINTS = {
     "distrain._src.train.callbacks.checkpointing._Saver": "private: the two checkpoint callbacks",
     "distrain._src.cross_device_ops._Psum": "private: two final spellings of one psum",
     "distrain._src.train.config._Section": "private: the pydantic settings every section shares",
+    "distrain._src.models.llama._DecoderConfig": "private: the fields Llama and Mixtral share",
     "distrain._src.islands.coordinator.IslandCoordinator": (
         "private: the Ray actor adds the run directory's check to the plain-Python coordinator"
     ),

@@ -41,7 +41,7 @@ import optax
 from flax import nnx
 
 import distrain as dt
-from examples.lm.model import LMConfig, Transformer, count_params, flops_per_token, make_apply_fn
+from distrain.models import LMConfig, Transformer, count_params, flops_per_token, make_apply_fn
 
 ApplyFn = Callable[..., jax.Array]
 

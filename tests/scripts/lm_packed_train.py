@@ -42,7 +42,7 @@ def main() -> int:
 
     import distrain as dt
     from examples.lm.data import stdlib_packed_splits
-    from examples.lm.model import LMConfig
+    from distrain.models import LMConfig
     from examples.lm.train import Settings, init_state, train_step
 
     seq = 32

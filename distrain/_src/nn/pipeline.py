@@ -55,7 +55,7 @@ __all__ = ["pipeline"]
 
 
 def pipeline(
-    layer_fn: Callable[[Any, jax.Array], jax.Array],
+    layer_fn: Callable[..., jax.Array],
     stacked_params: Any,
     x: jax.Array,
     *,

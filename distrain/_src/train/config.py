@@ -110,7 +110,7 @@ class StrategyConfig(_Section):
       layout: with ``devices_per_replica``: ``{path pattern: spec}`` rules, a spec being
         a list with one entry per dimension: an inner axis, a list of axes, a logical
         name or ``null``, e.g. ``{"mlp/fc/kernel": [fsdp, tensor]}``; or the import path
-        of rules kept in code (``examples.lm.model:TENSOR_PARALLEL_LAYOUT``).
+        of rules kept in code (``distrain.models:TENSOR_PARALLEL_LAYOUT``).
       logical_axis_rules: ``{logical name: inner axis, list of axes or null}``.
       batch_layout: ``{batch leaf pattern: spec}`` (a spec as in ``layout``, its first
         entry ``null`` for the rows), e.g. ``{tokens: [null, context]}``.

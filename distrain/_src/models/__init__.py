@@ -1,0 +1,1 @@
+"""Model families and Hugging Face checkpoints in and out (``dt.models``)."""

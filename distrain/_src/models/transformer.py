@@ -1,0 +1,544 @@
+"""A decoder-only transformer in flax NNX, from ~1M parameters to GPT-2 small.
+
+Pre-norm blocks (``x + attn(norm(x))``, ``x + mlp(norm(x))``), causal self-attention
+through ``dt.nn.dot_product_attention`` (``jax.nn.dot_product_attention`` where the
+sequence is whole: XLA on CPU, cuDNN's fused kernel on a GPU with bf16 inputs; ring
+attention where the replica splits the sequence over ``"context"``), rotary or learned
+positions, a GELU MLP and an output head tied to the token embedding (as GPT-2).
+
+Packed rows (several documents per row) pass ``segment_ids`` and ``positions``
+(``[B, T]``): attention stays inside a document and positions restart with it; a
+load-balanced row (``dt.nn.load_balance``) passes its permuted positions the same way.
+``remat`` recomputes each block's activations in the backward pass by a
+``jax.checkpoint_policies`` policy (see :data:`REMAT_POLICIES`).
+
+``moe_experts=E`` replaces each block's MLP by a mixture of ``E`` GELU experts
+(``dt.nn.moe``, ``moe_top_k`` per token, dropless unless ``moe_capacity_factor``; an
+optional shared expert): lay the experts out with :data:`EXPERT_LAYOUT` on a replica with
+an ``"expert"`` axis. ``model(tokens, return_aux=True)`` also returns the routing
+statistics, averaged over the blocks, and ``moe_loss``, the weighted auxiliary loss the
+step adds.
+
+``pipeline_microbatches=M`` stacks the blocks (one leading layer dimension, the
+``nnx.vmap`` / ``lax.scan`` layout) and runs them through ``dt.nn.pipeline``: a scan over
+the layers on a replica without a ``"stage"`` axis, GPipe over its stages with one (lay
+the stacked blocks out with :func:`pipeline_layout`). Embedding and head stay outside.
+
+Parameters are float32; ``dtype="bfloat16"`` runs the matmuls and attention in bf16
+(mixed precision) and computes the logits and the loss in float32.
+
+The model crosses the step boundary as ``(graphdef, params)``: ``nnx.split`` once, a
+pure dict of arrays in the ``dt.TrainState``, ``nnx.merge`` inside the step
+(:func:`apply_fn`), so the state is an ordinary pytree that checkpoints and shards.
+
+Example:
+  >>> cfg = LMConfig(d_model=128, n_layers=4, n_heads=4, seq_len=128)
+  >>> model = Transformer(cfg, rngs=nnx.Rngs(0))
+  >>> logits = model(jnp.zeros((2, 128), jnp.int32))     # [2, 128, 256] float32
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jax.sharding import PartitionSpec as P
+
+from distrain._src.nn.attention import dot_product_attention
+from distrain._src.nn.moe import moe
+from distrain._src.nn.pipeline import pipeline
+
+__all__ = [
+    "EXPERT_LAYOUT",
+    "REMAT_POLICIES",
+    "TENSOR_PARALLEL_LAYOUT",
+    "LMConfig",
+    "constrain_hidden",
+    "Transformer",
+    "count_params",
+    "flops_per_token",
+    "make_apply_fn",
+    "pipeline_layout",
+    "transformer",
+]
+
+_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# What a block keeps for its backward pass (jax.checkpoint_policies): "none" keeps
+# everything (no remat); "offload_dots" keeps matmul outputs in host memory.
+REMAT_POLICIES: dict[str, Callable[[], Any] | None] = {
+    "none": None,
+    "dots_saveable": lambda: jax.checkpoint_policies.dots_saveable,
+    "nothing_saveable": lambda: jax.checkpoint_policies.nothing_saveable,
+    "offload_dots": lambda: jax.checkpoint_policies.offload_dot_with_no_batch_dims(
+        "device", "pinned_host"
+    ),
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class LMConfig:
+    """The model's shapes.
+
+    Attributes:
+      vocab_size: number of token ids (256 for bytes; 50304 for GPT-2's shapes).
+      seq_len: tokens per sequence (the attention span).
+      d_model: width of the residual stream.
+      n_layers: transformer blocks.
+      n_heads: attention heads (``d_model`` must divide by it).
+      d_ff: hidden width of the MLP (default ``4 * d_model``).
+      positions: ``"rope"`` (rotary, no parameters) or ``"learned"`` (GPT-2's table).
+      dtype: compute dtype, ``"float32"`` or ``"bfloat16"`` (parameters stay float32).
+      norm_eps: the LayerNorms' epsilon (flax's default 1e-6; GPT-2's checkpoints 1e-5).
+      remat: a key of :data:`REMAT_POLICIES`: what each block saves for the backward pass.
+      attention: ``dt.nn.dot_product_attention``'s implementation over a split sequence,
+        ``"ring"`` or ``"all_gather"`` (``None``: ring); no effect on a whole sequence.
+      pipeline_microbatches: ``None``: the blocks are a list; an int ``M``: they are
+        stacked and run by ``dt.nn.pipeline`` with ``M`` microbatches.
+      pipeline_repeats: ``dt.nn.pipeline``'s ``repeats`` (the circular schedule).
+      moe_experts: ``None``: dense MLPs; an int ``E``: mixture-of-experts MLPs of ``E``
+        experts of width ``d_ff`` (``dt.nn.moe``).
+      moe_top_k: experts per token.
+      moe_capacity_factor: ``None``: dropless; a number: ``dt.nn.moe``'s capacity factor.
+      moe_shared_expert: add a dense expert of width ``d_ff`` every token goes through.
+      moe_balance_weight, moe_z_weight: the weights of the load-balancing loss and the
+        router z-loss in ``moe_loss`` (Switch Transformer's 0.01; ST-MoE's 0.001).
+    """
+
+    vocab_size: int = 256
+    seq_len: int = 128
+    d_model: int = 128
+    n_layers: int = 4
+    n_heads: int = 4
+    d_ff: int | None = None
+    positions: Literal["rope", "learned"] = "rope"
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    norm_eps: float = 1e-6
+    remat: str = "none"
+    attention: Literal["ring", "all_gather"] | None = None
+    pipeline_microbatches: int | None = None
+    pipeline_repeats: int = 1
+    moe_experts: int | None = None
+    moe_top_k: int = 2
+    moe_capacity_factor: float | None = None
+    moe_shared_expert: bool = False
+    moe_balance_weight: float = 0.01
+    moe_z_weight: float = 0.001
+
+    def __post_init__(self) -> None:
+        names = ["vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "pipeline_repeats"]
+        if self.pipeline_microbatches is not None:
+            names.append("pipeline_microbatches")
+        for name in names:
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ValueError(f"LMConfig.{name} must be a positive int. Received: {v!r}.")
+        if self.d_model % self.n_heads:
+            raise ValueError(
+                f"LMConfig.d_model ({self.d_model}) must be a multiple of n_heads "
+                f"({self.n_heads}); choose n_heads among its divisors."
+            )
+        if self.positions == "rope" and self.head_dim % 2:
+            raise ValueError(
+                f"Rotary positions need an even head size; d_model / n_heads = {self.head_dim}. "
+                "Change d_model or n_heads, or use positions='learned'."
+            )
+        if self.positions not in ("rope", "learned"):
+            raise ValueError(
+                f"LMConfig.positions must be 'rope' or 'learned'. Received: {self.positions!r}."
+            )
+        if isinstance(self.norm_eps, bool) or not (
+            isinstance(self.norm_eps, int | float) and self.norm_eps > 0
+        ):
+            raise ValueError(
+                f"LMConfig.norm_eps must be a number > 0. Received: {self.norm_eps!r}."
+            )
+        if self.remat not in REMAT_POLICIES:
+            raise ValueError(
+                f"LMConfig.remat must be one of {list(REMAT_POLICIES)}. Received: {self.remat!r}."
+            )
+        if self.dtype not in _DTYPES:
+            raise ValueError(
+                f"LMConfig.dtype must be one of {sorted(_DTYPES)}. Received: {self.dtype!r}."
+            )
+        if self.moe_experts is not None:
+            self._check_moe()
+
+    def _check_moe(self) -> None:
+        e, k = self.moe_experts, self.moe_top_k
+        if isinstance(e, bool) or not isinstance(e, int) or e < 1:
+            raise ValueError(f"LMConfig.moe_experts must be a positive int. Received: {e!r}.")
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= e:
+            raise ValueError(
+                f"LMConfig.moe_top_k must be an int from 1 to moe_experts ({e}). Received: {k!r}."
+            )
+        c = self.moe_capacity_factor
+        if c is not None and not c > 0:
+            raise ValueError(
+                f"LMConfig.moe_capacity_factor must be > 0 (or None: dropless). Received: {c!r}."
+            )
+        if self.pipeline_microbatches is not None:
+            raise ValueError(
+                "LMConfig: mixture-of-experts blocks (moe_experts) cannot be pipelined yet "
+                "(their statistics would have to leave dt.nn.pipeline's schedule). Use "
+                "pipeline_microbatches=None, or a dense model."
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ff(self) -> int:
+        return self.d_ff if self.d_ff is not None else 4 * self.d_model
+
+
+def constrain_hidden(x: jax.Array) -> jax.Array:
+    """Hidden states ``[B, T, D]`` laid out as Megatron does when the step runs on a
+    replica mesh with an ``"fsdp"`` axis: rows split over it, whole over ``"tensor"``
+    (every tensor-parallel device needs the whole hidden state of its rows), the
+    sequence split over ``"context"`` if the replica has it. A no-op elsewhere (one
+    device, data parallelism, plain ``jax.jit``)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or "fsdp" not in mesh.axis_names or x.shape[0] % mesh.shape["fsdp"]:
+        return x
+    seq = "context" if "context" in mesh.axis_names else None
+    return jax.lax.with_sharding_constraint(x, P("fsdp", seq, None))
+
+
+# Megatron-style tensor parallelism for a replica mesh {"fsdp": F, "tensor": T}: the
+# first matmul of each pair split by columns over "tensor", the second by rows, so the
+# activations between them stay split and one all-reduce per pair joins them; every
+# kernel's other dimension, and the token table, split over "fsdp" (FSDP).
+TENSOR_PARALLEL_LAYOUT = {
+    "attn/qkv/kernel": P("fsdp", "tensor"),
+    "attn/qkv/bias": P("tensor"),
+    "attn/out/kernel": P("tensor", "fsdp"),
+    "mlp/fc/kernel": P("fsdp", "tensor"),
+    "mlp/fc/bias": P("tensor"),
+    "mlp/proj/kernel": P("tensor", "fsdp"),
+    "embed/embedding": P("tensor", "fsdp"),
+}
+
+
+# The experts of a mixture-of-experts model split over the replica's "expert" axis
+# (each device holds moe_experts / X of them); the router and everything else as usual.
+EXPERT_LAYOUT = {"mlp/w_in|mlp/w_out": P("expert")}
+
+
+def pipeline_layout(devices_per_replica: Mapping[str, int]) -> list[tuple[str, P]]:
+    """Layout rules for the stacked blocks of a pipelined model (``pipeline_microbatches``)
+    on a replica mesh with a ``"stage"`` axis: the layer dimension split over
+    ``"stage"`` (each stage holds its own layers) and, where the mesh has ``"fsdp"``,
+    each kernel's input dimension over it inside the stage; everything else (embedding,
+    final norm) FSDP by default.
+
+    Example:
+      >>> dt.MirroredStrategy(devices_per_replica={"stage": 2, "fsdp": 2},
+      ...                     layout=pipeline_layout({"stage": 2, "fsdp": 2}))
+    """
+    kernel = P("stage", "fsdp") if "fsdp" in devices_per_replica else P("stage")
+    return [("blocks/.*/kernel", kernel), ("blocks/", P("stage"))]
+
+
+def rope_tables(positions: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array]:
+    """``(cos, sin)`` of shape ``[B, T, head_dim // 2]`` for ``positions`` ``[B, T]``
+    (RoFormer's frequencies)."""
+    inv = 1.0 / (10000.0 ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
+    angles = positions.astype(jnp.float32)[..., None] * inv
+    return jnp.cos(angles), jnp.sin(angles)
+
+
+def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+    """Rotates pairs (first half, second half) of ``x`` ``[B, T, H, D]`` by position."""
+    x1, x2 = jnp.split(x.astype(jnp.float32), 2, axis=-1)
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    return jnp.concatenate([x1 * c - x2 * s, x1 * s + x2 * c], axis=-1).astype(x.dtype)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """What every block reads besides the residual stream (``None``: not given)."""
+
+    rope: tuple[jax.Array, jax.Array] | None = None
+    segment_ids: jax.Array | None = None
+    positions: jax.Array | None = None
+
+
+class Attention(nnx.Module):
+    """Causal multi-head self-attention with one fused QKV projection."""
+
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs) -> None:
+        dt = _DTYPES[cfg.dtype]
+        init = nnx.initializers.normal(0.02)
+        # GPT-2: residual projections scaled by 1/sqrt(2 * n_layers) at init.
+        out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layers))
+        self.cfg = cfg
+        self.qkv = nnx.Linear(cfg.d_model, 3 * cfg.d_model, kernel_init=init, dtype=dt, rngs=rngs)
+        self.out = nnx.Linear(cfg.d_model, cfg.d_model, kernel_init=out_init, dtype=dt, rngs=rngs)
+
+    def __call__(self, x: jax.Array, ctx: Context) -> jax.Array:
+        b, t, _ = x.shape
+        cfg = self.cfg
+        q, k, v = jnp.split(self.qkv(x).reshape(b, t, 3, cfg.n_heads, cfg.head_dim), 3, axis=2)
+        q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [B, T, H, D]
+        if ctx.rope is not None:
+            q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
+        # The sequence whole: jax.nn.dot_product_attention (cuDNN flash attention on a
+        # GPU when the dtype and head size allow). Split over "context": ring attention.
+        y = dot_product_attention(
+            q,
+            k,
+            v,
+            is_causal=True,
+            segment_ids=ctx.segment_ids,
+            positions=ctx.positions,
+            implementation=cfg.attention,
+        )
+        return self.out(y.reshape(b, t, cfg.d_model))
+
+
+class MLP(nnx.Module):
+    """``Linear(d, ff) -> GELU -> Linear(ff, d)``."""
+
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs) -> None:
+        dt = _DTYPES[cfg.dtype]
+        out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layers))
+        self.fc = nnx.Linear(
+            cfg.d_model, cfg.ff, kernel_init=nnx.initializers.normal(0.02), dtype=dt, rngs=rngs
+        )
+        self.proj = nnx.Linear(cfg.ff, cfg.d_model, kernel_init=out_init, dtype=dt, rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.proj(jax.nn.gelu(self.fc(x)))
+
+
+class MoE(nnx.Module):
+    """``moe_experts`` GELU experts (``d_model -> d_ff -> d_model``), ``moe_top_k`` per
+    token, through ``dt.nn.moe``; returns ``(y, statistics)``."""
+
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs) -> None:
+        e, d, f = cfg.moe_experts or 1, cfg.d_model, cfg.ff
+        init = nnx.initializers.normal(0.02)
+        out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layers))
+        self.cfg = cfg
+        self.router = nnx.Param(init(rngs.params(), (d, e)))
+        self.w_in = nnx.Param(init(rngs.params(), (e, d, f)))
+        self.w_out = nnx.Param(out_init(rngs.params(), (e, f, d)))
+        self.shared = MLP(cfg, rngs=rngs) if cfg.moe_shared_expert else None
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
+        cfg = self.cfg
+        params = {"router": self.router[...], "w_in": self.w_in[...], "w_out": self.w_out[...]}
+        y, stats = moe(
+            x,
+            params,
+            top_k=cfg.moe_top_k,
+            capacity_factor=cfg.moe_capacity_factor,
+        )
+        if self.shared is not None:
+            y = y + self.shared(x)
+        return y, stats
+
+
+class Block(nnx.Module):
+    """Pre-norm transformer block; a mixture-of-experts block also returns its routing
+    statistics."""
+
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs) -> None:
+        dt = _DTYPES[cfg.dtype]
+        self.norm1 = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, rngs=rngs)
+        self.attn = Attention(cfg, rngs=rngs)
+        self.norm2 = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, rngs=rngs)
+        self.mlp: MLP | MoE = MoE(cfg, rngs=rngs) if cfg.moe_experts else MLP(cfg, rngs=rngs)
+
+    def __call__(self, x: jax.Array, ctx: Context) -> Any:
+        x = x + self.attn(self.norm1(x), ctx)
+        if isinstance(self.mlp, MoE):
+            y, stats = self.mlp(self.norm2(x))
+            return x + y, stats
+        return x + self.mlp(self.norm2(x))
+
+
+class Transformer(nnx.Module):
+    """Token ids ``[B, T]`` (``T <= seq_len``) -> float32 logits ``[B, T, vocab_size]``;
+    optional ``segment_ids`` / ``positions`` ``[B, T]`` for packed or reordered rows."""
+
+    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs) -> None:
+        dt = _DTYPES[cfg.dtype]
+        self.cfg = cfg
+        self.embed = nnx.Embed(
+            cfg.vocab_size,
+            cfg.d_model,
+            embedding_init=nnx.initializers.normal(0.02),
+            dtype=dt,
+            rngs=rngs,
+        )
+        self.pos_embed = (
+            nnx.Embed(
+                cfg.seq_len,
+                cfg.d_model,
+                embedding_init=nnx.initializers.normal(0.01),
+                dtype=dt,
+                rngs=rngs,
+            )
+            if cfg.positions == "learned"
+            else None
+        )
+        if cfg.pipeline_microbatches is None:
+            self.blocks: Any = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+        else:  # one Block whose parameters have a leading layer dimension
+
+            @nnx.split_rngs(splits=cfg.n_layers)
+            @nnx.vmap(in_axes=(0,), out_axes=0)
+            def stacked(rngs: nnx.Rngs) -> Block:
+                return Block(cfg, rngs=rngs)
+
+            self.blocks = stacked(rngs)
+        self.norm = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, rngs=rngs)
+
+    def __call__(
+        self,
+        tokens: jax.Array,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        return_aux: bool = False,
+    ) -> Any:
+        cfg = self.cfg
+        t = tokens.shape[-1]
+        if t > cfg.seq_len:
+            raise ValueError(
+                f"The model attends over at most seq_len={cfg.seq_len} tokens; received a "
+                f"sequence of {t}. Crop the input or build the model with a larger seq_len."
+            )
+        x = self.embed(tokens)
+        pos = jnp.broadcast_to(jnp.arange(t), tokens.shape) if positions is None else positions
+        rope = None
+        if self.pos_embed is not None:
+            x = x + self.pos_embed(pos)
+        else:
+            rope = rope_tables(pos, cfg.head_dim)
+        ctx = Context(rope, segment_ids, positions)
+        stats: list[dict[str, jax.Array]] = []
+        if cfg.pipeline_microbatches is not None:
+            x = self._pipelined(x, ctx)
+        else:
+            call = _remat(cfg.remat)
+            for block in self.blocks:
+                out = call(block, x, ctx)
+                if cfg.moe_experts:
+                    out, block_stats = out
+                    stats.append(block_stats)
+                x = constrain_hidden(out)
+        # The tied head in the compute dtype; logits (and so the loss) in float32.
+        logits = self.embed.attend(self.norm(x)).astype(jnp.float32)
+        return (logits, _moe_aux(cfg, stats)) if return_aux else logits
+
+    def _pipelined(self, x: jax.Array, ctx: Context) -> jax.Array:
+        """The stacked blocks through ``dt.nn.pipeline``; ``ctx`` (per row) goes with
+        each microbatch as its ``aux``."""
+        cfg = self.cfg
+        graphdef, params = nnx.split(self.blocks)
+
+        def layer(p: Any, h: jax.Array, c: Context) -> jax.Array:
+            return nnx.merge(graphdef, p)(h, c)
+
+        policy = REMAT_POLICIES[cfg.remat]
+        if policy is not None:
+            layer = jax.checkpoint(layer, policy=policy())
+        return pipeline(
+            layer,
+            params,
+            x,
+            microbatches=cfg.pipeline_microbatches or 1,
+            repeats=cfg.pipeline_repeats,
+            aux=ctx,
+        )
+
+
+def _call_block(block: Block, x: jax.Array, ctx: Context) -> Any:
+    return block(x, ctx)
+
+
+def _moe_aux(cfg: LMConfig, stats: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
+    """The blocks' routing statistics averaged, and ``moe_loss`` (empty: a dense model)."""
+    if not stats:
+        return {}
+    aux = {k: jnp.mean(jnp.stack([s[k] for s in stats]), axis=0) for k in stats[0]}
+    aux["moe_loss"] = (
+        cfg.moe_balance_weight * aux["load_balancing_loss"]
+        + cfg.moe_z_weight * aux["router_z_loss"]
+    )
+    return aux
+
+
+def _remat(name: str) -> Callable[[Block, jax.Array, Context], Any]:
+    """The block call under ``nnx.remat`` with policy ``name`` (plain for "none")."""
+    policy = REMAT_POLICIES[name]
+    if policy is None:
+        return _call_block
+    return nnx.remat(_call_block, policy=policy())
+
+
+def transformer(*, key: jax.Array, **kwargs: Any) -> Transformer:
+    """``model.fn`` for ``distrain train``: ``Transformer(LMConfig(**kwargs))``."""
+    return Transformer(LMConfig(**kwargs), rngs=nnx.Rngs(params=key))
+
+
+def make_apply_fn(graphdef: nnx.GraphDef) -> Callable[..., Any]:
+    """``apply_fn(params, tokens, segment_ids=None, positions=None, return_aux=False) ->
+    logits`` (``(logits, aux)`` with ``return_aux``) for ``graphdef, params =
+    nnx.split(model)``."""
+
+    def apply_fn(
+        params: Any,
+        tokens: jax.Array,
+        segment_ids: jax.Array | None = None,
+        positions: jax.Array | None = None,
+        return_aux: bool = False,
+    ) -> Any:
+        return nnx.merge(graphdef, params)(tokens, segment_ids, positions, return_aux)
+
+    return apply_fn
+
+
+def count_params(cfg: LMConfig) -> dict[str, int]:
+    """Parameter counts from the shapes (no arrays allocated).
+
+    Returns ``{"total": ..., "position": ..., "matmul": ..., "expert": ...}``:
+    ``position`` is the learned position table (0 with rope), ``matmul`` the
+    parameters that take part in a matrix product per token: total - position, and of a
+    mixture of experts' ``expert`` parameters only the ``moe_top_k / moe_experts`` a
+    token uses (the token table takes part, as the tied output head; norms and biases
+    are counted too, a <0.1% overestimate).
+    """
+    abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+    params = nnx.state(abstract, nnx.Param)
+    total = sum(math.prod(x.shape) for x in jax.tree.leaves(params))
+    position = cfg.seq_len * cfg.d_model if cfg.positions == "learned" else 0
+    expert = 2 * cfg.n_layers * (cfg.moe_experts or 0) * cfg.d_model * cfg.ff
+    active = expert * cfg.moe_top_k // cfg.moe_experts if cfg.moe_experts else 0
+    return {
+        "total": total,
+        "position": position,
+        "matmul": total - position - expert + active,
+        "expert": expert,
+    }
+
+
+def flops_per_token(cfg: LMConfig, seq_len: int | None = None) -> float:
+    """Training FLOPs per token: ``6 * N + 12 * n_layers * seq_len * d_model``.
+
+    ``N`` is ``count_params(cfg)["matmul"]``: each such parameter costs 2 FLOPs per
+    token forward and 4 backward. The second term is attention (``Q K^T`` and
+    ``A V``: ``4 * T * d`` per layer forward, x3 with the backward), counted over the
+    full ``T x T`` square as PaLM (appendix B) and nanoGPT do, although a causal kernel
+    can skip half of it. MFU computed from this is comparable with theirs.
+    """
+    t = cfg.seq_len if seq_len is None else seq_len
+    return 6.0 * count_params(cfg)["matmul"] + 12.0 * cfg.n_layers * t * cfg.d_model

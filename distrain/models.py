@@ -1,0 +1,70 @@
+"""Model families and Hugging Face checkpoints in and out (``dt.models``).
+
+``from_pretrained`` reads a Hugging Face checkpoint (``config.json`` + safetensors)
+straight into a strategy's layout, each process reading only its devices' slices;
+``save_pretrained`` writes parameters in any layout back to the Hugging Face layout,
+which ``transformers``, vLLM, SGLang, TGI and lm-eval read. The families: GPT-2
+(:class:`LMConfig` with learned positions, distrain's own decoder), Llama / Mistral /
+Qwen3 and Mixtral / Qwen3-MoE. ``docs/models.md``.
+
+Example:
+  >>> model = dt.models.from_pretrained("path/to/llama", strategy=strategy)
+  >>> state = dt.TrainState.create(apply_fn=model.apply_fn, params=model.params, tx=tx)
+  >>> dt.models.save_pretrained("exported", state, model)
+"""
+
+# Importing a family's module registers it (import and export find families by name).
+from distrain._src.models import gpt2 as _gpt2  # noqa: F401
+from distrain._src.models import llama_family as _llama_family  # noqa: F401
+from distrain._src.models import mixtral as _mixtral  # noqa: F401
+from distrain._src.models.family import Family as Family
+from distrain._src.models.family import Tensor as Tensor
+from distrain._src.models.family import families as families
+from distrain._src.models.hub import Pretrained as Pretrained
+from distrain._src.models.hub import from_pretrained as from_pretrained
+from distrain._src.models.hub import save_pretrained as save_pretrained
+from distrain._src.models.llama import LOGICAL_AXIS_RULES as LOGICAL_AXIS_RULES
+from distrain._src.models.llama import Llama as Llama
+from distrain._src.models.llama import LlamaConfig as LlamaConfig
+from distrain._src.models.llama import RopeScaling as RopeScaling
+from distrain._src.models.llama import layout_for as layout_for
+from distrain._src.models.mixtral import Mixtral as Mixtral
+from distrain._src.models.mixtral import MixtralConfig as MixtralConfig
+from distrain._src.models.transformer import EXPERT_LAYOUT as EXPERT_LAYOUT
+from distrain._src.models.transformer import REMAT_POLICIES as REMAT_POLICIES
+from distrain._src.models.transformer import TENSOR_PARALLEL_LAYOUT as TENSOR_PARALLEL_LAYOUT
+from distrain._src.models.transformer import LMConfig as LMConfig
+from distrain._src.models.transformer import Transformer as Transformer
+from distrain._src.models.transformer import constrain_hidden as constrain_hidden
+from distrain._src.models.transformer import count_params as count_params
+from distrain._src.models.transformer import flops_per_token as flops_per_token
+from distrain._src.models.transformer import make_apply_fn as make_apply_fn
+from distrain._src.models.transformer import pipeline_layout as pipeline_layout
+from distrain._src.models.transformer import transformer as transformer
+
+__all__ = [
+    "EXPERT_LAYOUT",
+    "LOGICAL_AXIS_RULES",
+    "REMAT_POLICIES",
+    "TENSOR_PARALLEL_LAYOUT",
+    "Family",
+    "LMConfig",
+    "Llama",
+    "LlamaConfig",
+    "Mixtral",
+    "MixtralConfig",
+    "Pretrained",
+    "RopeScaling",
+    "Tensor",
+    "Transformer",
+    "constrain_hidden",
+    "count_params",
+    "families",
+    "flops_per_token",
+    "from_pretrained",
+    "layout_for",
+    "make_apply_fn",
+    "pipeline_layout",
+    "save_pretrained",
+    "transformer",
+]
