@@ -45,8 +45,8 @@ if str(ROOT) not in sys.path:
 
 import distrain as dt  # noqa: E402
 from benchmarks.loops import Forever  # noqa: E402
-from examples.lm import data as lm_data  # noqa: E402
 from distrain.models import EXPERT_LAYOUT, LMConfig, count_params  # noqa: E402
+from examples.lm import data as lm_data  # noqa: E402
 from examples.lm.train import Settings, init_state, train_step  # noqa: E402
 
 MOE = LMConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4, d_ff=256, moe_experts=8)

@@ -37,7 +37,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", default="configs/shakespeare_char.yaml")
     p.add_argument("--checkpoint", required=True)
     p.add_argument("--prompt", default="JULIET:\n")
-    p.add_argument("--out", default=os.path.join(HERE, "results", "hf_export.json"))
+    p.add_argument("--json", default=os.path.join(HERE, "results", "hf_export.json"))
     args = p.parse_args(argv)
     import jax
     import torch
@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
             "transformers": transformers.__version__,
         },
     }
-    os.makedirs(os.path.dirname(args.out), exist_ok=True)
-    with open(args.out, "w") as f:
+    os.makedirs(os.path.dirname(args.json), exist_ok=True)
+    with open(args.json, "w") as f:
         json.dump(result, f, indent=2)
         f.write("\n")
     print(json.dumps(result, indent=2))

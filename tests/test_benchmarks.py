@@ -458,3 +458,15 @@ def test_every_result_file_the_docs_cite_is_committed():
     everything = "\n".join(texts.values())
     uncited = sorted(name for name in committed if name not in everything)
     assert not uncited, f"committed but cited by no doc: {uncited}"
+
+
+def test_hf_import_toy_runs(tmp_path):
+    """benchmarks/hf_import.py on a tiny Llama checkpoint: both rows (1 process, and 2
+    processes over gloo each holding half), with the memory figures they report."""
+    args = ["--layers", "1", "--hidden", "256", "--vocab", "1024"]
+    r, _ = _run_script("benchmarks.hf_import", args, tmp_path / "hf.json")
+    one, two = r["rows"]
+    assert (one["processes"], two["processes"]) == (1, 2)
+    assert one["device_bytes"] == r["checkpoint_bytes"]  # one process holds it all
+    assert one["device_bytes"] / 2 <= two["device_bytes"] < 0.6 * one["device_bytes"]  # ~half
+    assert all(x["peak_rss_bytes"] > x["baseline_rss_bytes"] > 0 for x in (one, two))

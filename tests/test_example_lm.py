@@ -27,8 +27,8 @@ import distrain as dt
 from distrain._src.cluster.launch import free_port
 from distrain.config import load_config, run_config
 from distrain.data import ArrayPipeline
-from examples.lm import data as lm_data
 from distrain.models import LMConfig, Transformer, count_params, flops_per_token
+from examples.lm import data as lm_data
 from examples.lm.train import (
     Perplexity,
     Settings,

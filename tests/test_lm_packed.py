@@ -18,8 +18,8 @@ import pytest
 from flax import nnx
 
 import distrain as dt
-from examples.lm import data as lm_data
 from distrain.models import LMConfig, Transformer
+from examples.lm import data as lm_data
 
 SCRIPT = Path(__file__).parent / "scripts" / "lm_packed_train.py"
 TIMEOUT = 180

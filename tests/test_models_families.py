@@ -15,7 +15,6 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 import distrain as dt
-
 from distrain._src.models import llama, mixtral
 from distrain._src.models.family import family_for, family_of
 
@@ -45,6 +44,8 @@ FEATURES = {
     "qwen3_moe_nonorm": {"model_type": "qwen3_moe", "norm_topk_prob": False},
 }
 VARIANTS = list(FEATURES)
+
+
 def _hf(variant):
     with open(os.path.join(FIXTURES, variant, "config.json")) as f:
         return json.load(f)
@@ -331,3 +332,22 @@ def _abstract_params(cfg):
     return jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), nnx.to_pure_dict(nnx.state(module))
     )
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_transformers_loads_each_export_with_the_reference_logits(variant, tmp_path):
+    """Where PyTorch and transformers are installed (the bench extra): each family's
+    export loads with no missing, unexpected or mismatched weight and gives the logits
+    transformers gave for the files it wrote."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    model = dt.models.from_pretrained(os.path.join(FIXTURES, variant))
+    dt.models.save_pretrained(str(tmp_path), model.params, model)
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path), output_loading_info=True, torch_dtype=torch.float32
+    )
+    assert not any(info.values()), info
+    ref = _reference(variant)
+    with torch.no_grad():
+        logits = hf.eval()(torch.tensor(ref["tokens"], dtype=torch.long)).logits.numpy()
+    _close(logits, ref["logits"])

@@ -6,6 +6,7 @@ wrong input. The live comparison with ``transformers`` runs where PyTorch is ins
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -288,7 +289,8 @@ def test_wrong_input_is_one_line_naming_it(case, tmp_path):
 
 def test_a_model_without_a_family_is_refused_on_export(tmp_path):
     cfg = dt.models.LMConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=1, n_heads=4)
-    _, params = nnx.split(dt.models.Transformer(cfg, rngs=nnx.Rngs(0)))
+    # Refused before any value is read: abstract parameters are enough.
+    _, params = nnx.split(nnx.eval_shape(lambda: dt.models.Transformer(cfg, rngs=nnx.Rngs(0))))
     with pytest.raises(ValueError, match=r"positions='rope'\) has no Hugging Face family"):
         dt.models.save_pretrained(str(tmp_path), params, cfg)
     with pytest.raises(TypeError, match="No model family exports a dict"):
@@ -420,3 +422,87 @@ def test_a_replica_over_two_processes_reads_its_half_and_exports_the_same_bytes(
     before, after = _tensors(GPT2), _tensors(tmp_path / "export")
     assert sorted(before) == sorted(after)
     assert all(before[k].tobytes() == after[k].tobytes() for k in before)
+
+
+# --------------------------------------------------------------- distrain export
+
+_RUN = """
+name: export_test
+strategy: {name: one_device}
+model:
+  fn: distrain.models:transformer
+  kwargs: {vocab_size: 256, seq_len: 16, d_model: 32, n_layers: 2, n_heads: 4,
+           positions: learned}
+data:
+  fn: examples.lm.data:tinyshakespeare_splits
+  kwargs: {seq_len: 16}
+  global_batch_size: 4
+optimizer: {name: adamw, learning_rate: 0.001}
+train:
+  train_step: examples.lm.train:train_step
+  steps: 1
+"""
+
+
+def _run_checkpoint(tmp_path, vocab=256, positions="learned", save=True):
+    """A run config and a checkpoint of its TrainState (as `distrain train` saves)."""
+    import optax
+
+    config = tmp_path / "run.yaml"
+    text = _RUN.replace("vocab_size: 256", f"vocab_size: {vocab}")
+    config.write_text(text.replace("positions: learned", f"positions: {positions}"))
+    cfg = dt.models.LMConfig(vocab_size=vocab, seq_len=16, d_model=32, n_layers=2,
+                             n_heads=4, positions=positions)  # fmt: skip
+    model = dt.models.Transformer(cfg, rngs=nnx.Rngs(3))
+    params = nnx.to_pure_dict(nnx.state(model))
+    state = dt.TrainState.create(apply_fn=None, params=params, tx=optax.adamw(1e-3))
+    with dt.checkpoint.CheckpointManager(tmp_path / "ckpt", async_save=False) as manager:
+        if save:
+            manager.save(7, state)
+    return str(config), str(tmp_path / "ckpt"), model
+
+
+def test_distrain_export_writes_a_runs_checkpoint_that_imports_back(tmp_path, capsys):
+    from distrain.cli import main
+
+    config, ckpt, model = _run_checkpoint(tmp_path)
+    out = tmp_path / "hf"
+    argv = ["export", "--config", config, "--checkpoint", ckpt, "--to", "hf", str(out)]
+    assert main([*argv, "--tokenizer", "bytes"]) == 0
+    assert f"step 7 of {ckpt} -> {out}" in capsys.readouterr().out
+    back = dt.models.from_pretrained(str(out))
+    for got, want in zip(jax.tree.leaves(back.params), jax.tree.leaves(nnx.state(model)),
+                         strict=True):  # fmt: skip
+        np.testing.assert_array_equal(got, want)  # the checkpoint's values, exactly
+    text = "JULIET:\n\xe9"  # a byte above 127 too: its UTF-8 bytes are the ids
+    assert back.tokenizer.encode(text).ids == list(text.encode())
+    assert back.tokenizer.decode(list(text.encode())) == text
+
+
+@pytest.mark.parametrize(
+    "case, extra, match",
+    [
+        ("format", ["--to", "onnx", "OUT"], r"--to 'onnx': the only format is 'hf'"),
+        ("no checkpoint dir", ["--checkpoint", "MISSING"], r"is not a directory"),
+        ("empty dir", ["--checkpoint", "EMPTY"], r"holds no checkpoint"),
+        ("byte tokenizer", ["--tokenizer", "bytes"], r"for a vocabulary of 256 bytes; the model"),
+        ("rotary", [], r"positions='rope'\) has no Hugging Face family"),
+    ],
+)
+def test_distrain_export_refuses_in_one_line(case, extra, match, tmp_path, capsys):
+    from distrain.cli import main
+
+    vocab, positions = (96, "learned") if case == "byte tokenizer" else (256, "learned")
+    positions = "rope" if case == "rotary" else positions
+    # Each is refused before the checkpoint is read: none is written.
+    config, ckpt, _ = _run_checkpoint(tmp_path, vocab, positions, save=False)
+    (tmp_path / "empty").mkdir()
+    places = {"MISSING": str(tmp_path / "missing"), "EMPTY": str(tmp_path / "empty"),
+              "OUT": str(tmp_path / "out")}  # fmt: skip
+    extra = [places.get(a, a) for a in extra]
+    argv = ["export", "--config", config, "--checkpoint", ckpt, "--to", "hf",
+            str(tmp_path / "out"), *extra]  # fmt: skip
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("distrain export: error:") and len(err.splitlines()) == 1, err
+    assert re.search(match, err), err

@@ -41,8 +41,8 @@ def main() -> int:
     from jax.sharding import PartitionSpec as P
 
     import distrain as dt
-    from examples.lm.data import stdlib_packed_splits
     from distrain.models import LMConfig
+    from examples.lm.data import stdlib_packed_splits
     from examples.lm.train import Settings, init_state, train_step
 
     seq = 32

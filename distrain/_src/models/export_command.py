@@ -81,6 +81,7 @@ def main(argv: Sequence[str]) -> int:
 
     from distrain._src.checkpoint.manager import CheckpointManager
     from distrain._src.models import hub
+    from distrain._src.models.family import family_of
     from distrain._src.train.config import load_config
     from distrain._src.train.run import resolve_callable
 
@@ -95,6 +96,20 @@ def main(argv: Sequence[str]) -> int:
             f"model.fn {cfg.model.fn!r} built a {type(module).__name__} without a family "
             "config (.cfg or .config): export needs a dt.models family's module."
         )
+    # What can be checked without reading the checkpoint is checked first.
+    family_of(family_cfg).config_to_hf(family_cfg)  # a model without a family: say so
+    tokenizer = None
+    if args.tokenizer == "bytes":
+        if family_cfg.vocab_size != 256:
+            raise ValueError(
+                f"--tokenizer bytes is for a vocabulary of 256 bytes; the model has "
+                f"{family_cfg.vocab_size} tokens. Pass the run's tokenizer.json instead."
+            )
+        tokenizer = byte_tokenizer()
+    elif args.tokenizer is not None:
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(args.tokenizer)
     if not os.path.isdir(args.checkpoint):
         raise FileNotFoundError(f"--checkpoint {args.checkpoint!r} is not a directory.")
     with CheckpointManager(args.checkpoint, async_save=False) as manager:
@@ -108,18 +123,6 @@ def main(argv: Sequence[str]) -> int:
             f"The checkpoint at step {restored.step} in {args.checkpoint!r} has no 'params' "
             "(expected a dt.TrainState saved by distrain train or the Trainer)."
         )
-    tokenizer = None
-    if args.tokenizer == "bytes":
-        if family_cfg.vocab_size != 256:
-            raise ValueError(
-                f"--tokenizer bytes is for a vocabulary of 256 bytes; the model has "
-                f"{family_cfg.vocab_size} tokens. Pass the run's tokenizer.json instead."
-            )
-        tokenizer = byte_tokenizer()
-    elif args.tokenizer is not None:
-        from tokenizers import Tokenizer
-
-        tokenizer = Tokenizer.from_file(args.tokenizer)
     files = hub.save_pretrained(out, params, family_cfg, dtype=args.dtype, tokenizer=tokenizer)
     print(f"distrain export: step {restored.step} of {args.checkpoint} -> {out} ({len(files)} "
           f"safetensors file{'s' if len(files) > 1 else ''}, config.json)")  # fmt: skip

@@ -104,9 +104,7 @@ class Weights:
     read lazily: a tensor's bytes are read only when a slice of it is.
 
     Each read opens its file and closes it again: safetensors maps the file into memory,
-    and the pages a read touches stay counted in the process's memory while the file is
-    open; closed, they are the operating system's to drop. So an import's peak holds the
-    parameters and one slice, not the files as well (``benchmarks/hf_import.py``).
+    and nothing of a file stays mapped between reads, whatever the import's length.
 
     Raises (on construction):
       FileNotFoundError: no safetensors file (a ``pytorch_model.bin`` is named and
@@ -207,8 +205,9 @@ class Weights:
         file = self._known(name)
         try:
             with self._open(file) as handle:
-                # A copy of its own: the slice must outlive the file's mapping.
-                return np.array(handle.get_slice(self._actual.get(name, name))[tuple(index)])
+                # safetensors copies the slice out of the mapping into a buffer of its
+                # own, which outlives the file (no second copy here: an import's peak).
+                return np.asarray(handle.get_slice(self._actual.get(name, name))[tuple(index)])
         except ValueError:
             raise
         except Exception as e:
