@@ -92,7 +92,9 @@ def accumulate_gradients(
         # to keep the gradients (TrainState.accumulating).
         micro_steps = MicroSteps(steps, mask_key, total)
         micro_ctx = ctx.with_micro_steps(micro_steps) if ctx is not None else None
-        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), state.params)
+        # Only the trainable parameters' gradients are kept (frozen ones: None).
+        trained = state.select_trainable(state.params)
+        zeros = jax.tree.map(lambda p: jnp.zeros(jnp.shape(p), jnp.float32), trained)
 
         def body(carry: Any, mb: Any) -> tuple[Any, Any]:
             st, acc = carry

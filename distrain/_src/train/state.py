@@ -1,7 +1,15 @@
-"""``TrainState``: the immutable pytree a train step reads and returns."""
+"""``TrainState``: the immutable pytree a train step reads and returns.
+
+Frozen parameters (``create(trainable=...)``): only the trainable leaves have optimizer
+state, and ``apply_gradients`` drops the frozen leaves' gradients before the all-reduce,
+so XLA removes their computation and nothing of them crosses devices. A ``train_step``
+written for full training fine-tunes unchanged.
+"""
 
 from __future__ import annotations
 
+import difflib
+import re
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Self
 
@@ -12,6 +20,9 @@ from flax import struct
 
 from distrain._src import context
 from distrain._src import mixed_precision as mp
+from distrain._src.pytree import path_str
+
+_CREATE_KEYWORDS = ("params", "tx", "rng", "policy", "trainable", "frozen_dtype")
 
 
 @struct.dataclass
@@ -20,6 +31,8 @@ class TrainState:
 
     ``extra`` holds other mutable collections (e.g. ``{"batch_stats": ...}``).
     Any other pytree works as Trainer state too (e.g. two of these for a GAN).
+    ``trainable`` (static) says which leaves of ``params`` train, in their flattened
+    order; None: all of them (see :meth:`create`).
 
     Example:
       >>> state = dt.TrainState.create(params=params, tx=optax.adam(1e-3), rng=jax.random.key(0))
@@ -42,6 +55,7 @@ class TrainState:
     # applied once per update.
     accumulating: bool = struct.field(pytree_node=False, default=False)
     micro_grads: Any = None
+    trainable: tuple[bool, ...] | None = struct.field(pytree_node=False, default=None)
 
     if TYPE_CHECKING:
         # Added by @struct.dataclass at runtime; declared here so type checkers see it.
@@ -55,6 +69,8 @@ class TrainState:
         tx: optax.GradientTransformation,
         rng: jax.Array | None = None,
         policy: mp.Policy | str | None = None,
+        trainable: str | Any | None = None,
+        frozen_dtype: Any = None,
         **extra: Any,
     ) -> TrainState:
         """A state at step 0 with ``tx``'s freshly initialised optimizer state.
@@ -65,21 +81,56 @@ class TrainState:
           rng: an optional PRNG key carried with the state.
           policy: ``"float32"`` (default), ``"mixed_bfloat16"`` or ``"mixed_float16"``
             (see ``dt.mixed_precision``); ``mixed_float16`` adds a dynamic loss scale.
+          trainable: which parameters train (None: all): a regex searched in each
+            leaf's path (keys joined by ``/``, e.g. ``"blocks/0/attn/q/lora_a"``), or a
+            pytree of bools with ``params``' structure. The others are frozen: no
+            optimizer state (absent, not zeros), no gradient all-reduce, unchanged by
+            ``apply_gradients``.
+          frozen_dtype: store the frozen parameters in this dtype (e.g. ``"bfloat16"``:
+            half the bytes of a frozen base model); None keeps theirs.
           **extra: other collections, e.g. ``batch_stats=...``.
+
+        Raises:
+          ValueError: a ``trainable`` that matches no parameter (everything frozen), or
+            a tree of bools whose structure is not ``params``'.
+          TypeError: a keyword that looks like a misspelt argument (``trainible=``).
+
+        Example:
+          >>> state = dt.TrainState.create(params=params, tx=optax.adamw(1e-3),
+          ...                              trainable=r"lora_|head")
         """
+        for key in extra:  # a misspelt argument would silently become a collection
+            close = difflib.get_close_matches(key, _CREATE_KEYWORDS, n=1, cutoff=0.75)
+            if close:
+                raise TypeError(
+                    f"TrainState.create() got the keyword {key!r}: did you mean "
+                    f"{close[0]!r}? (Other keywords are extra collections, e.g. "
+                    "batch_stats=...; its arguments are "
+                    f"{', '.join(_CREATE_KEYWORDS)}.)"
+                )
         policy = mp.policy_of(policy)
         if policy is not None:
             params = policy.cast_to_param(params)
+        mask = _trainable_mask(params, trainable)
+        if mask is not None and frozen_dtype is not None:
+            cast = lambda x: jnp.asarray(x, frozen_dtype)  # noqa: E731
+            params = _merge(params, _select(params, mask), mask, cast)
         return cls(
             step=jnp.zeros((), jnp.int32),
             params=params,
-            opt_state=tx.init(params),
+            opt_state=tx.init(_select(params, mask)),
             rng=rng,
             extra=dict(extra),
             loss_scale=mp.DynamicLossScale.create() if policy and policy.loss_scaling else None,
             tx=tx,
             policy=policy,
+            trainable=mask,
         )
+
+    def select_trainable(self, tree: Any) -> Any:
+        """``tree`` (with ``params``' structure) with None for the frozen leaves: the
+        structure of the optimizer's parameters and of the gradients it applies."""
+        return _select(tree, self.trainable)
 
     def value_and_grad(
         self, fn: Callable[..., Any], argnums: int | Sequence[int] = 0, has_aux: bool = False
@@ -135,14 +186,20 @@ class TrainState:
           all_reduce: sum ``grads`` over replicas first (in a replica context).
           **changes: other fields to replace, e.g. ``extra=...``.
         """
-        # The ignore: jaxlib ships no stubs for PyTreeDef, so mypy cannot see its __ne__.
-        if jax.tree.structure(grads) != jax.tree.structure(self.params):  # type: ignore[operator]
+        frozen_out = self.trainable is not None and _same(
+            grads, _select(self.params, self.trainable)
+        )
+        if not (_same(grads, self.params) or frozen_out):
             raise ValueError(
                 "`apply_gradients(grads=...)` needs gradients with the structure of "
                 f"`params`. Received:\n  grads:  {jax.tree.structure(grads)}\n  params: "
                 f"{jax.tree.structure(self.params)}\nTake the gradient with respect to "
                 "state.params, e.g. `jax.grad(loss_fn)(state.params, batch)`."
             )
+        if self.trainable is not None and not frozen_out:
+            # Dropped here, before the all-reduce: nothing of them crosses devices, and
+            # XLA removes their computation (the gradients are no longer used).
+            grads = _select(grads, self.trainable)
         if self.accumulating:  # a micro-step: keep them, applied once per update
             if self.micro_grads is not None:
                 raise ValueError(
@@ -156,8 +213,9 @@ class TrainState:
         ctx = context.get_replica_context()
         if all_reduce and ctx is not None:
             grads = ctx.all_reduce("sum", grads)
-        updates, opt_state = self.tx.update(grads, self.opt_state, self.params)
-        params = optax.apply_updates(self.params, updates)
+        trained = _select(self.params, self.trainable)
+        updates, opt_state = self.tx.update(grads, self.opt_state, trained)
+        params = _merge(self.params, optax.apply_updates(trained, updates), self.trainable)
         if self.loss_scale is not None:
             # An overflow skips the update on every replica (the gradients were
             # all-reduced, so all agree) and halves the scale.
@@ -169,3 +227,75 @@ class TrainState:
             params, opt_state = keep(params, self.params), keep(opt_state, self.opt_state)
             changes = {"loss_scale": self.loss_scale.adjust(finite), **changes}
         return self.replace(step=self.step + 1, params=params, opt_state=opt_state, **changes)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether two pytrees have one structure."""
+    # The ignore: jaxlib ships no stubs for PyTreeDef, so mypy cannot see its __eq__.
+    return bool(jax.tree.structure(a) == jax.tree.structure(b))  # type: ignore[operator]
+
+
+def _paths(tree: Any) -> list[str]:
+    """Each leaf's path, keys joined by ``/`` (flax's trailing ``/value`` left out)."""
+    out = []
+    for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]:
+        p = path_str(path)
+        out.append(p[: -len("/value")] if p.endswith("/value") else p)
+    return out
+
+
+def _trainable_mask(params: Any, trainable: str | Any | None) -> tuple[bool, ...] | None:
+    """One bool per leaf of ``params`` (None: all trainable)."""
+    if trainable is None:
+        return None
+    if isinstance(trainable, str):
+        pattern = re.compile(trainable)
+        paths = _paths(params)
+        mask = tuple(bool(pattern.search(p)) for p in paths)
+        if not any(mask):
+            raise ValueError(
+                f"TrainState.create(trainable={trainable!r}) matches no parameter, which "
+                f"would freeze them all. Parameter paths look like {paths[:4]}; give a "
+                "pattern that one of them contains."
+            )
+    else:
+        if not _same(trainable, params):
+            raise ValueError(
+                "TrainState.create(trainable=...) takes a regex or a pytree of bools with "
+                f"params' structure. Received the structure\n  {jax.tree.structure(trainable)}"
+                f"\nfor params'\n  {jax.tree.structure(params)}."
+            )
+        mask = tuple(bool(x) for x in jax.tree.leaves(trainable))
+        if not any(mask):
+            raise ValueError(
+                "TrainState.create(trainable=...) marks no parameter trainable (all False): "
+                "nothing would train. Mark at least one True, or freeze nothing (None)."
+            )
+    return None if all(mask) else mask
+
+
+def _select(tree: Any, mask: tuple[bool, ...] | None) -> Any:
+    """``tree`` with None for the frozen leaves (optax keeps no state for a None)."""
+    if mask is None:
+        return tree
+    leaves, treedef = jax.tree.flatten(tree)
+    return jax.tree.unflatten(
+        treedef, [x if m else None for x, m in zip(leaves, mask, strict=True)]
+    )
+
+
+def _merge(
+    full: Any,
+    trained: Any,
+    mask: tuple[bool, ...] | None,
+    frozen: Callable[[Any], Any] | None = None,
+) -> Any:
+    """``full`` with its trainable leaves taken from ``trained`` (the ``_select``-ed
+    tree) and ``frozen`` applied to the others."""
+    if mask is None:
+        return trained
+    leaves, treedef = jax.tree.flatten(full)
+    new = iter(jax.tree.leaves(trained))
+    keep = frozen or (lambda x: x)
+    out = [next(new) if m else keep(x) for x, m in zip(leaves, mask, strict=True)]
+    return jax.tree.unflatten(treedef, out)
