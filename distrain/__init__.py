@@ -73,6 +73,7 @@ _LAZY = {
     "nn": "distrain.nn",
     "InputContext": "distrain._src.data.options:InputContext",
     "InputOptions": "distrain._src.data.options:InputOptions",
+    "SidecarEvaluator": "distrain._src.train.sidecar:SidecarEvaluator",
 }
 if TYPE_CHECKING:
     from distrain import callbacks as callbacks
@@ -85,6 +86,7 @@ if TYPE_CHECKING:
     from distrain import nn as nn
     from distrain._src.data.options import InputContext as InputContext
     from distrain._src.data.options import InputOptions as InputOptions
+    from distrain._src.train.sidecar import SidecarEvaluator as SidecarEvaluator
 else:
     __getattr__, __dir__ = _lazy.exports(globals(), _LAZY)
 
@@ -113,6 +115,7 @@ __all__ = [
     "ReductionToOneDevice",
     "ReplicaContext",
     "ReplicaLayout",
+    "SidecarEvaluator",
     "SimpleClusterResolver",
     "Strategy",
     "TFConfigClusterResolver",

@@ -11,6 +11,11 @@ Subcommands:
 * ``distrain plan --config FILE --devices N [--device-memory 80GiB] [--json]``: will the
   config's step fit on N devices? Compiled from abstract shapes, nothing allocated
   (see ``distrain plan --help``).
+* ``distrain evaluate --config FILE [--checkpoint DIR] [--follow] [key=value ...]``: the
+  config's eval step on a checkpoint (the newest in DIR, or DIR/<step>), or, with
+  ``--follow``, on each checkpoint a training job writes (``dt.SidecarEvaluator``).
+  ``distrain train`` does that too in a process whose ``TF_CONFIG`` task (or
+  ``DISTRAIN_TASK_TYPE``, set by ``distrain launch --evaluator``) is "evaluator".
 
 Errors: a user error (a bad config, data that cannot be loaded, a bad batch size, an
 exception from your own code) is one ``distrain train: error: ...`` line on stderr,
@@ -40,7 +45,7 @@ overrides:
     train.epochs=5  optimizer.learning_rate=0.003  model.kwargs.hidden=[64,64]
     strategy.devices=[cpu:0,cpu:1]  logging.dir=runs/exp1  logging.tensorboard=true
 
-config sections: strategy, model, data, optimizer, train, logging, checkpoint
+config sections: strategy, model, data, optimizer, train, logging, checkpoint, evaluator
   (documented in docs/getting_started.md and dt.config.RunConfig)
 """
 
@@ -78,6 +83,29 @@ def _parser() -> argparse.ArgumentParser:
         action="store_true",
         help="show the full traceback of an error (also: DISTRAIN_DEBUG=1)",
     )
+    evaluate = sub.add_parser(
+        "evaluate",
+        help="evaluate a run's checkpoints (one, or each as it is written: --follow)",
+        description="Run the config's eval step on checkpoints (dt.SidecarEvaluator).",
+        epilog=_TRAIN_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    evaluate.add_argument("--config", required=True, metavar="FILE", help="the YAML run config")
+    evaluate.add_argument(
+        "--checkpoint",
+        metavar="DIR",
+        help="the checkpoint directory (default: evaluator.checkpoint_dir, else "
+        "checkpoint.dir), or one step's directory DIR/<step>",
+    )
+    evaluate.add_argument(
+        "--follow",
+        action="store_true",
+        help="evaluate each checkpoint as it is written, until the training's final one",
+    )
+    evaluate.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="config overrides (dotted keys)"
+    )
+    evaluate.add_argument("--debug", action="store_true", help="show the full traceback")
     # `launch`, `plan` and `goodput` parse their own arguments; listed here for --help.
     sub.add_parser(
         "launch",
@@ -119,36 +147,51 @@ _USER_ERRORS = (ValueError, TypeError, OSError, ImportError)
 
 def _train(args: argparse.Namespace) -> int:
     from distrain._src import verbosity
+    from distrain._src.cluster.base import is_evaluator_task
     from distrain._src.train.config import config_to_dict, load_config
     from distrain._src.train.config_errors import ConfigError
 
     debug = _debug_wanted(args)
-    if args.verbose or verbosity.verbose():
+    if getattr(args, "verbose", False) or verbosity.verbose():
         verbosity.enable()  # the libraries' INFO logs on stderr, here and in child processes
     try:
         cfg = load_config(args.config, args.overrides)
     except ConfigError as e:
         if debug:
             raise
-        _error(str(e))
+        _error(str(e), args.command)
         return 2
-    if args.print_config:
+    if getattr(args, "print_config", False):
         import yaml
 
         print(yaml.safe_dump(config_to_dict(cfg), sort_keys=False, default_flow_style=None), end="")
         return 0
+    if args.command == "evaluate" or is_evaluator_task():
+        from distrain._src.train.sidecar_run import run_evaluator
+
+        command = args.command  # `train` on an evaluator task says "distrain train: ..."
+        follow = args.command == "train" or args.follow
+        checkpoint = getattr(args, "checkpoint", None)
+        _importable_from_cwd()
+        return run_reporting_errors(
+            command, lambda: run_evaluator(cfg, checkpoint_dir=checkpoint, follow=follow), debug
+        )
     from distrain._src.train.run import run_config
 
-    # Import paths in the config resolve from the working directory, as with
-    # `python -m`: a console script's sys.path starts at its own bin/ directory.
-    if os.getcwd() not in sys.path and "" not in sys.path:
-        sys.path.insert(0, os.getcwd())
+    _importable_from_cwd()
 
     def train() -> int:
         run_config(cfg, progress_bar=not args.no_progress)
         return 0
 
     return run_reporting_errors("train", train, debug)
+
+
+def _importable_from_cwd() -> None:
+    # Import paths in the config resolve from the working directory, as with
+    # `python -m`: a console script's sys.path starts at its own bin/ directory.
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())
 
 
 def run_reporting_errors(command: str, fn: Any, debug: bool | None = None) -> int:

@@ -470,3 +470,15 @@ def test_hf_import_toy_runs(tmp_path):
     assert one["device_bytes"] == r["checkpoint_bytes"]  # one process holds it all
     assert one["device_bytes"] / 2 <= two["device_bytes"] < 0.6 * one["device_bytes"]  # ~half
     assert all(x["peak_rss_bytes"] > x["baseline_rss_bytes"] > 0 for x in (one, two))
+
+
+def test_sidecar_toy_runs(tmp_path):
+    """benchmarks/sidecar.py at toy size: validation inside fit is charged to the
+    trainer's evaluation bucket; with the sidecar the trainer's bucket is empty and every
+    checkpoint has its lag."""
+    args = ["--steps", "20", "--every", "10", "--eval-rows", "512", "--hidden", "32"]
+    r, _ = _run_script("benchmarks.sidecar", args, tmp_path / "s.json")
+    in_fit, side = r["rows"]
+    assert in_fit["arm"] == "in_fit" and in_fit["trainer_evaluation_s"] > 0
+    assert side["arm"] == "sidecar" and side["trainer_evaluation_s"] == 0
+    assert side["evaluations"] == 2 and all(lag >= 0 for lag in side["lag_s"])

@@ -32,6 +32,7 @@ Example:
 from __future__ import annotations
 
 import itertools
+import logging
 import os
 import time
 import uuid
@@ -98,6 +99,10 @@ class CheckpointManager:
       local_save_interval_steps: steps between local saves (required with
         ``local_directory``).
       local_max_to_keep: local steps kept per process (and per peer copy).
+      read_only: follow a directory another job writes (``dt.SidecarEvaluator``): nothing
+        is created, written, cleaned up or set aside; ``save`` raises, ``all_steps`` and
+        ``latest_step`` list the directory afresh, and ``restore(step=N)`` of a damaged
+        step raises ``CheckpointCorruptionError``, leaving it in place.
 
     Raises:
       ValueError: if a directory cannot be created or written, for invalid
@@ -124,7 +129,9 @@ class CheckpointManager:
         local_directory: str | os.PathLike[str] | None = None,
         local_save_interval_steps: int | None = None,
         local_max_to_keep: int = 2,
+        read_only: bool = False,
     ) -> None:
+        self._read_only = bool(read_only)
         self._max_to_keep = optional_positive_int("max_to_keep", max_to_keep)
         self._interval = positive_int("save_interval_steps", save_interval_steps)
         verbosity.quiet_orbax()  # orbax's INFO log of every save: only with DISTRAIN_VERBOSE
@@ -133,36 +140,47 @@ class CheckpointManager:
         self._local = _local_tier(
             self._directory, local_directory, local_save_interval_steps, local_max_to_keep
         )
-        _directory.check_writable(self._directory)
+        if not self._read_only:
+            _directory.check_writable(self._directory)
         self.restored_from: str | None = None
         self._barrier_prefix = f"distrain_ckpt{next(_instances)}"
         self._pending: tuple[int | None, str | None] = (None, None)  # save in flight
-        options = ocp.CheckpointManagerOptions(
-            # Save exactly at multiples of the interval (orbax's default would also
-            # save the first step it sees). `save` decides before calling orbax (cheaper
-            # than orbax's should_save on every step); preemption saves use force=True.
-            save_decision_policy=ocp_policies.FixedIntervalPolicy(self._interval),
-            preservation_policy=ocp_policies.LatestN(n=self._max_to_keep),
-            enable_async_checkpointing=bool(async_save),
-            cleanup_tmp_directories=True,  # leftovers of a process killed mid-save
-            create=True,
-            # Orbax names its cross-process barriers after the operation and step only:
-            # two managers saving the same step at once (ModelCheckpoint and
-            # BackupAndRestore) would wait at the same barrier and fail with "Barrier ...
-            # is already ongoing". A prefix per manager keeps them apart.
-            multiprocessing_options=ocp.options.MultiprocessingOptions(
-                barrier_sync_key_prefix=self._barrier_prefix
-            ),
-        )
-        self._mgr = ocp.CheckpointManager(
-            self._directory,
-            item_handlers={
-                "state": _state_handler(),
-                "data": ocp.JsonCheckpointHandler(),
-                "meta": ocp.JsonCheckpointHandler(),
-            },
-            options=options,
-        )
+        # Orbax says what read_only turns off (saving, creating, cleaning up) and that
+        # the directory is read-only, as warnings: all of it was asked for.
+        absl = logging.getLogger("absl")
+        absl.addFilter(_not_a_read_only_notice)
+        try:
+            options = ocp.CheckpointManagerOptions(
+                # Save exactly at multiples of the interval (orbax's default would also
+                # save the first step it sees). `save` decides before calling orbax (cheaper
+                # than orbax's should_save on every step); preemption saves use force=True.
+                save_decision_policy=ocp_policies.FixedIntervalPolicy(self._interval),
+                preservation_policy=ocp_policies.LatestN(n=self._max_to_keep),
+                enable_async_checkpointing=bool(async_save),
+                # Leftovers of a process killed mid-save; a follower must not touch the
+                # writer's saves in progress.
+                cleanup_tmp_directories=not self._read_only,
+                create=not self._read_only,
+                read_only=self._read_only,
+                # Orbax names its cross-process barriers after the operation and step only:
+                # two managers saving the same step at once (ModelCheckpoint and
+                # BackupAndRestore) would wait at the same barrier and fail with "Barrier ...
+                # is already ongoing". A prefix per manager keeps them apart.
+                multiprocessing_options=ocp.options.MultiprocessingOptions(
+                    barrier_sync_key_prefix=self._barrier_prefix
+                ),
+            )
+            self._mgr = ocp.CheckpointManager(
+                self._directory,
+                item_handlers={
+                    "state": _state_handler(),
+                    "data": ocp.JsonCheckpointHandler(),
+                    "meta": ocp.JsonCheckpointHandler(),
+                },
+                options=options,
+            )
+        finally:
+            absl.removeFilter(_not_a_read_only_notice)
         self._closed = False
 
     # ------------------------------------------------------------------ queries
@@ -173,10 +191,15 @@ class CheckpointManager:
 
     def latest_step(self) -> int | None:
         """The newest committed step, or None if there is none."""
+        if self._read_only:
+            self._mgr.reload()  # another job writes the directory
         return self._mgr.latest_step()
 
     def all_steps(self) -> list[int]:
-        """All committed steps, oldest first."""
+        """All committed steps, oldest first (orbax lists a step once it is renamed into
+        place, or has its commit file on object stores: never a save in progress)."""
+        if self._read_only:
+            self._mgr.reload()
         return sorted(self._mgr.all_steps())
 
     # --------------------------------------------------------------------- save
@@ -214,6 +237,7 @@ class CheckpointManager:
           ValueError: if ``step`` is not a non-negative int.
         """
         self._check_open("save")
+        self._check_writer("save")
         _check_step(step)
         step = int(step)
         latest = self._mgr.latest_step()
@@ -292,6 +316,7 @@ class CheckpointManager:
           OSError: if the previous local write failed.
         """
         self._check_open("save_local")
+        self._check_writer("save_local")
         if self._local is None:
             raise ValueError(
                 "CheckpointManager.save_local() needs a local tier: pass local_directory= "
@@ -375,7 +400,10 @@ class CheckpointManager:
         # Each process lists the directory itself: they must agree on what it holds.
         self._mgr.reload()
         steps = self.all_steps()
-        _directory.check_shared(self._directory, steps)
+        if not (self._read_only and step is not None):
+            # A follower's processes agree on `step` before they call this; the
+            # directory may grow between their listings.
+            _directory.check_shared(self._directory, steps)
         self.restored_from = None
         restored: Restored | None = None
         if step is None and target is not None and self._local is not None:
@@ -407,11 +435,14 @@ class CheckpointManager:
                 result = self._restore_step(s, target)
             except CheckpointCorruptionError as e:
                 failures.append(f"step {s}: {e}")
-                moved = self._quarantine(s)
+                aside = "the damaged step is left in place (read_only)"
+                if not self._read_only:
+                    aside = (
+                        f"the damaged step was renamed to {self._quarantine(s)!r} (set aside "
+                        "for inspection)"
+                    )
                 warnings.warn(
-                    f"{e}. Falling back to the previous checkpoint; the damaged step was "
-                    f"renamed to {moved!r} (set aside for inspection).",
-                    stacklevel=2,
+                    f"{e}. Falling back to the previous checkpoint; {aside}.", stacklevel=2
                 )
                 continue
             return result
@@ -554,6 +585,13 @@ class CheckpointManager:
                 "CheckpointManager for the directory."
             )
 
+    def _check_writer(self, what: str) -> None:
+        if self._read_only:
+            raise ValueError(
+                f"CheckpointManager.{what}() writes, but this manager of {self._directory} "
+                "was created with read_only=True. Create one without read_only to save."
+            )
+
     def __enter__(self) -> CheckpointManager:
         return self
 
@@ -612,3 +650,9 @@ def _state_handler() -> ocp.PyTreeCheckpointHandler:
     ]
     registry = ocp.type_handlers.create_type_handler_registry(*handlers)
     return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
+
+
+def _not_a_read_only_notice(record: logging.LogRecord) -> bool:
+    """A log filter: drops orbax's notices about what ``read_only=True`` implies."""
+    message = record.getMessage()
+    return "read only" not in message and "read_only" not in message

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import os
 from collections.abc import Mapping, Sequence
 
 # distrain's own environment variables (also written by `distrain launch`).
@@ -15,12 +16,37 @@ ENV_PROCESS_ID = "DISTRAIN_PROCESS_ID"
 ENV_LOCAL_DEVICES = "DISTRAIN_LOCAL_DEVICES"
 ENV_LOCAL_DEVICE_IDS = "DISTRAIN_LOCAL_DEVICE_IDS"
 ENV_TF_CONFIG = "TF_CONFIG"
+# `distrain launch --evaluator`: the task type of a process outside the workers' world.
+ENV_TASK_TYPE = "DISTRAIN_TASK_TYPE"
 
 # Task types TF_CONFIG may name. Only chief and worker tasks join the
 # synchronous mesh; ps and evaluator tasks are described by the resolver (a
 # parameter-server job or a side-car evaluator may use it) but get no process id.
 SYNC_TASK_TYPES = ("chief", "worker")
 TF_CONFIG_TASK_TYPES = ("chief", "worker", "ps", "evaluator")
+
+
+def is_evaluator_task(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is the cluster's "evaluator" task: ``DISTRAIN_TASK_TYPE`` (set
+    by ``distrain launch --evaluator``) or ``TF_CONFIG``'s task type says so.
+
+    Read without validating the rest of ``TF_CONFIG`` (the resolver does that where a
+    worker joins); text that is not JSON is not an evaluator's.
+
+    Example:
+        >>> is_evaluator_task({"TF_CONFIG": '{"task": {"type": "evaluator", "index": 0}}'})
+        True
+    """
+    import json
+
+    env = os.environ if environ is None else environ
+    if env.get(ENV_TASK_TYPE):
+        return env[ENV_TASK_TYPE] == "evaluator"
+    try:
+        task = json.loads(env.get(ENV_TF_CONFIG) or "{}").get("task") or {}
+    except (ValueError, AttributeError):
+        return False
+    return isinstance(task, Mapping) and task.get("type") == "evaluator"
 
 
 def parse_address(address: object, *, field: str) -> tuple[str, int]:

@@ -230,6 +230,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "others get to exit by themselves (default 5; after a failure they are killed at once)",
     )
     parser.add_argument(
+        "--evaluator",
+        action="store_true",
+        help="also start the evaluator task: one more process of the program, outside the "
+        "workers' jax.distributed world and not counted in --nproc, with "
+        "DISTRAIN_TASK_TYPE=evaluator (`distrain train` then follows the checkpoints with "
+        "dt.SidecarEvaluator); restarted alone after a failure (up to --max-restarts), it "
+        "ends after the workers' final checkpoint",
+    )
+    parser.add_argument(
         "command", nargs=argparse.REMAINDER, help="-- then the program and its arguments"
     )
 
@@ -676,6 +685,12 @@ def run(args: argparse.Namespace) -> int:
             "use --devices-per-proc on CPUs.",
         ),
         (
+            islands and args.evaluator,
+            "--evaluator starts one evaluator beside one job's workers; received it with "
+            "--islands. Start the evaluator as its own command: `distrain evaluate --config "
+            "FILE --follow`.",
+        ),
+        (
             islands and bool(args.port),
             "--port names one coordinator port; each island has its own (free ports are "
             "chosen). Remove --port with --islands.",
@@ -725,12 +740,19 @@ def run(args: argparse.Namespace) -> int:
         finally:
             if previous is not None:
                 signal.signal(signal.SIGTERM, previous)
+    evaluator = _start_evaluator(args, launcher) if args.evaluator else None
     try:
-        return launcher.run()
+        code = launcher.run()
+        if evaluator is not None:  # it ends after the final checkpoint, or is stopped
+            evaluated = evaluator.wait() if code == 0 else evaluator.stop()
+            code = code or evaluated
+        return code
     except _CannotStart as e:  # the processes already started were stopped by attempt()
         sys.stderr.write(f"distrain launch: error: {e}\n")
         return e.status
     except (KeyboardInterrupt, _Terminated):
+        if evaluator is not None:
+            evaluator.stop()
         # The processes were stopped by attempt()'s finally (SIGTERM, then SIGKILL after
         # the grace period). No restart, preempted or not: the launcher was told to stop.
         procs = launcher.procs
@@ -743,8 +765,27 @@ def run(args: argparse.Namespace) -> int:
         launcher.log("interrupted; all processes stopped")
         return 130
     finally:
+        if evaluator is not None:
+            evaluator.stop()  # returns at once when it has ended
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _start_evaluator(args: argparse.Namespace, launcher: _Launcher) -> Any:
+    """Starts the evaluator task beside the workers (``launch_evaluator``)."""
+    from distrain._src.cluster.launch_evaluator import Evaluator
+
+    evaluator = Evaluator(
+        args,
+        launcher.command,
+        child_env=_child_env,
+        pump=_pump,
+        log=launcher.log,
+        out=launcher.out,
+        lock=launcher.lock,
+    )
+    evaluator.start()
+    return evaluator
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -34,6 +34,7 @@ from distrain._src.train.config_errors import ConfigError, is_section, translate
 __all__ = [
     "CheckpointConfig",
     "DataConfig",
+    "EvaluatorConfig",
     "LoggingConfig",
     "MLflowConfig",
     "ModelConfig",
@@ -490,7 +491,44 @@ class CheckpointConfig(_Section):
         return self
 
 
-_SECTIONS = ("strategy", "model", "data", "optimizer", "train", "logging", "checkpoint")
+class EvaluatorConfig(_Section):
+    """The evaluator task (``dt.SidecarEvaluator``): what ``distrain train`` does in a
+    process whose ``TF_CONFIG`` task (or ``DISTRAIN_TASK_TYPE``, set by ``distrain launch
+    --evaluator``) is ``evaluator``, and ``distrain evaluate --follow``.
+
+    Attributes:
+      checkpoint_dir: the directory to follow (``None``: ``checkpoint.dir``).
+      split: the split of ``data.fn`` to evaluate on.
+      every_checkpoint: evaluate every checkpoint in order (``false``: the newest each
+        time, skipping those it missed, as TensorFlow does).
+      poll_interval: seconds between looks at the directory.
+      timeout: seconds to wait for a first checkpoint (``None``: no limit).
+      max_evaluations: stop after this many (``None``: at the training's final checkpoint).
+      steps: batches per evaluation (``None``: the whole split).
+      workdir: its progress file, goodput ledger and logs (``None``:
+        ``logging.dir/evaluator``, else ``<checkpoint_dir>/sidecar``).
+    """
+
+    checkpoint_dir: str | None = None
+    split: str = "test"
+    every_checkpoint: bool = False
+    poll_interval: float = Field(default=5.0, gt=0)
+    timeout: float | None = Field(default=None, ge=0)
+    max_evaluations: int | None = Field(default=None, ge=1)
+    steps: int | None = Field(default=None, ge=1)
+    workdir: str | None = None
+
+
+_SECTIONS = (
+    "strategy",
+    "model",
+    "data",
+    "optimizer",
+    "train",
+    "logging",
+    "checkpoint",
+    "evaluator",
+)
 
 
 class RunConfig(_Section):
@@ -512,6 +550,7 @@ class RunConfig(_Section):
     train: TrainConfig
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
+    evaluator: EvaluatorConfig = EvaluatorConfig()
 
     @pydantic.field_validator(*_SECTIONS, mode="before")
     @classmethod

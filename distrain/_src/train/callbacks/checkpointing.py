@@ -7,8 +7,9 @@ metric sums of the unfinished epoch). A run restored from such a checkpoint draw
 same batches and reaches bit-identical parameters on the same devices.
 
 Both act on every process (saving is collective with several processes), never save a
-state that holds NaN or infinity (the last good checkpoint stays the newest), and
-check at ``fit`` start that their directory can be written.
+state that holds NaN or infinity (the last good checkpoint stays the newest), check at
+``fit`` start that their directory can be written, and mark a completed ``fit``
+(``finish_mark``: where a ``dt.SidecarEvaluator`` stops).
 
 Example:
   >>> callbacks = [dt.callbacks.BackupAndRestore("/tmp/backup", save_freq=100)]
@@ -31,6 +32,7 @@ import numpy as np
 
 from distrain._src.goodput import ledger as goodput
 from distrain._src.goodput.ledger import settle_steps
+from distrain._src.train.callbacks import finish_mark
 from distrain._src.train.callbacks.base import Callback, Logs, StepInfo, ensure_writable_dir
 from distrain._src.train.callbacks.control import improved, resolve_mode, validation_pending
 from distrain._src.validate import is_positive_int
@@ -102,6 +104,8 @@ class _Saver(Callback):
             self.directory, max_to_keep=self.max_to_keep, async_save=self.async_save, **self._local
         )
         self._offset = None
+        if self._fit_trainer.is_chief:  # this fit writes here: not finished any more
+            finish_mark.clear(self.directory)
 
     def checkpoint_step(self) -> int:
         """The number the current state is saved under.
@@ -158,16 +162,20 @@ class _Saver(Callback):
         f = self.save_freq if freq is None else freq
         return isinstance(f, int) and info.step // f > (info.step - info.num_steps) // f
 
-    def _finish(self) -> None:
+    def _finish(self, mark: bool = False) -> None:
+        """Closes the manager; ``mark``: then marks the training finished (``finish_mark``)."""
+        latest = None
         if self.manager is not None:
             with goodput.phase("checkpoint"):
-                self.manager.wait_until_finished()
+                self.manager.wait_until_finished()  # the final save is committed first
+                latest = self.manager.latest_step()
                 self.manager.close()
             self.manager = None
+        if mark and (self.trainer is None or self.trainer.is_chief):
+            finish_mark.write(self.directory, latest)
 
     def on_train_abort(self, error: BaseException) -> None:
-        # Let a save in progress complete: it is the last good checkpoint.
-        self._finish()
+        self._finish()  # a save in progress completes: it is the last good checkpoint
 
 
 class ModelCheckpoint(_Saver):
@@ -256,7 +264,7 @@ class ModelCheckpoint(_Saver):
         self._save()
 
     def on_train_end(self, logs: Logs | None = None) -> None:
-        self._finish()
+        self._finish(mark=True)
 
 
 class BackupAndRestore(_Saver):
@@ -429,7 +437,7 @@ class BackupAndRestore(_Saver):
             # has nothing left to train, instead of redoing the steps after the last save.
             self._save()
         latest = self.manager.latest_step() if self.manager is not None else None
-        self._finish()
+        self._finish(mark=finite and not self.delete_checkpoint)  # the finished state is kept
         self._close_preemption()
         if not finite:
             warnings.warn(

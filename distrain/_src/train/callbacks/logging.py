@@ -175,7 +175,9 @@ class TensorBoard(Callback):
     """Writes scalars as TensorBoard event files (tensorboardX; no TensorFlow needed).
 
     Tags: ``train/<metric>`` at every log step (x axis: global step) and
-    ``epoch/<metric>`` (including ``val_`` metrics) at every epoch end.
+    ``epoch/<metric>`` (including ``val_`` metrics) at every epoch end; a metric already
+    named with a prefix keeps its name (a ``dt.SidecarEvaluator``'s ``eval/<metric>``, x
+    axis: the checkpoint's step).
 
     Args:
       log_dir: directory of the event files; created if missing.
@@ -215,7 +217,7 @@ class TensorBoard(Callback):
             return
         step = self.trainer.loop.global_step if self.trainer is not None else epoch
         for name, value in logs.items():
-            self._writer.add_scalar(f"epoch/{name}", value, step)
+            self._writer.add_scalar(name if "/" in name else f"epoch/{name}", value, step)
         self._writer.flush()
 
     def on_train_end(self, logs: Logs | None = None) -> None:

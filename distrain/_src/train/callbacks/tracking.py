@@ -79,12 +79,16 @@ def step_metrics(logs: Mapping[str, float]) -> dict[str, float]:
 
 
 def epoch_metrics(epoch: int, logs: Mapping[str, float]) -> dict[str, float]:
-    """``epoch``, ``train_epoch/<metric>`` and ``val/<metric>`` names for an epoch's logs."""
+    """``epoch``, ``train_epoch/<metric>`` and ``val/<metric>`` names for an epoch's logs;
+    a name that has a prefix already keeps it (a ``dt.SidecarEvaluator``'s ``eval/<metric>``)."""
     # Not epoch/<metric>: MLflow's file store keeps a metric as a file, so `epoch` and
     # `epoch/loss` cannot both exist.
     out = {"epoch": float(epoch)}
     for k, v in logs.items():
-        out[f"val/{k[4:]}" if k.startswith("val_") else f"train_epoch/{k}"] = float(v)
+        if "/" in k:
+            out[k] = float(v)
+        else:
+            out[f"val/{k[4:]}" if k.startswith("val_") else f"train_epoch/{k}"] = float(v)
     return out
 
 
