@@ -5,7 +5,10 @@ straight into a strategy's layout, each process reading only its devices' slices
 ``save_pretrained`` writes parameters in any layout back to the Hugging Face layout,
 which ``transformers``, vLLM, SGLang, TGI and lm-eval read. The families: GPT-2
 (:class:`LMConfig` with learned positions, distrain's own decoder), Llama / Mistral /
-Qwen3 and Mixtral / Qwen3-MoE. ``docs/models.md``.
+Qwen3 and Mixtral / Qwen3-MoE. LoRA: ``add_lora`` adapts a model's ``nnx.Linear``
+layers, ``save_adapter`` / ``load_adapter`` write and read PEFT's format, ``merge_lora``
+folds the adapters into the base for ``save_pretrained``. ``generate`` continues
+prompts from a KV cache, under any strategy (``docs/evaluation.md``). ``docs/models.md``.
 
 Example:
   >>> model = dt.models.from_pretrained("path/to/llama", strategy=strategy)
@@ -20,6 +23,8 @@ from distrain._src.models import mixtral as _mixtral  # noqa: F401
 from distrain._src.models.family import Family as Family
 from distrain._src.models.family import Tensor as Tensor
 from distrain._src.models.family import families as families
+from distrain._src.models.generate import Generation as Generation
+from distrain._src.models.generate import generate as generate
 from distrain._src.models.hub import Pretrained as Pretrained
 from distrain._src.models.hub import from_pretrained as from_pretrained
 from distrain._src.models.hub import save_pretrained as save_pretrained
@@ -28,8 +33,15 @@ from distrain._src.models.llama import Llama as Llama
 from distrain._src.models.llama import LlamaConfig as LlamaConfig
 from distrain._src.models.llama import RopeScaling as RopeScaling
 from distrain._src.models.llama import layout_for as layout_for
+from distrain._src.models.lora import LoraConfig as LoraConfig
+from distrain._src.models.lora import LoraLinear as LoraLinear
+from distrain._src.models.lora import add_lora as add_lora
+from distrain._src.models.lora import lora_dropout as lora_dropout
+from distrain._src.models.lora import merge_lora as merge_lora
 from distrain._src.models.mixtral import Mixtral as Mixtral
 from distrain._src.models.mixtral import MixtralConfig as MixtralConfig
+from distrain._src.models.peft_format import load_adapter as load_adapter
+from distrain._src.models.peft_format import save_adapter as save_adapter
 from distrain._src.models.transformer import EXPERT_LAYOUT as EXPERT_LAYOUT
 from distrain._src.models.transformer import REMAT_POLICIES as REMAT_POLICIES
 from distrain._src.models.transformer import TENSOR_PARALLEL_LAYOUT as TENSOR_PARALLEL_LAYOUT
@@ -48,23 +60,32 @@ __all__ = [
     "REMAT_POLICIES",
     "TENSOR_PARALLEL_LAYOUT",
     "Family",
+    "Generation",
     "LMConfig",
     "Llama",
     "LlamaConfig",
+    "LoraConfig",
+    "LoraLinear",
     "Mixtral",
     "MixtralConfig",
     "Pretrained",
     "RopeScaling",
     "Tensor",
     "Transformer",
+    "add_lora",
     "constrain_hidden",
     "count_params",
     "families",
     "flops_per_token",
     "from_pretrained",
+    "generate",
     "layout_for",
+    "load_adapter",
+    "lora_dropout",
     "make_apply_fn",
+    "merge_lora",
     "pipeline_layout",
+    "save_adapter",
     "save_pretrained",
     "transformer",
 ]

@@ -482,3 +482,20 @@ def test_sidecar_toy_runs(tmp_path):
     assert in_fit["arm"] == "in_fit" and in_fit["trainer_evaluation_s"] > 0
     assert side["arm"] == "sidecar" and side["trainer_evaluation_s"] == 0
     assert side["evaluations"] == 2 and all(lag >= 0 for lag in side["lag_s"])
+
+
+def test_generate_toy_runs(tmp_path):
+    """benchmarks/generate.py --toy in this process: every arm timed (transformers' where
+    PyTorch is installed), and the recompute arm's tokens are the KV cache's."""
+    from benchmarks import generate
+
+    out = tmp_path / "generate.json"
+    r = generate.main(["--toy", "--json", str(out)])
+    assert json.loads(out.read_text()) == r
+    arms = [(row["arm"], row["batch"]) for row in r["rows"]]
+    assert arms[:3] == [("kv_cache", 1), ("kv_cache", 4), ("recompute", 1)]
+    assert all(row["tokens_per_s"] > 0 for row in r["rows"])
+    assert r["recompute_equals_kv_cache"] is True
+    if r["greedy_equals_transformers"] is not None:  # PyTorch is installed
+        assert arms[3:] == [("transformers_cpu", 1), ("transformers_cpu", 4)]
+        assert r["greedy_equals_transformers"] is True

@@ -41,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from distrain._src.models import kv_cache
 from distrain._src.models.family import family_of
 from distrain._src.models.transformer import apply_rope, constrain_hidden
 from distrain._src.nn.attention import dot_product_attention
@@ -329,6 +330,9 @@ class Attention(nnx.Module):
         if self.q_norm is not None and self.k_norm is not None:  # Qwen3: per head, pre-rotary
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
+        decode = kv_cache.current()
+        if decode is not None:  # dt.models.generate: the new tokens over the KV cache
+            return self.o(decode.attend(q, k, v).reshape(b, t, self.n * self.h))
         y = dot_product_attention(
             q, k, v, is_causal=True, segment_ids=ctx.segment_ids, positions=ctx.positions
         )

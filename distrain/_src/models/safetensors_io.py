@@ -259,7 +259,7 @@ def write(
         else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     )
     for name, shard in zip(names, shards, strict=True):
-        _write_file(os.path.join(directory, name), shard, write)
+        write_file(os.path.join(directory, name), shard, write=write)
     if write and len(shards) > 1:
         weight_map = {e[0]: n for n, shard in zip(names, shards, strict=True) for e in shard}
         index = {"metadata": {"total_size": sum(map(_nbytes, entries))}, "weight_map": weight_map}
@@ -268,8 +268,15 @@ def write(
     return names
 
 
-def _write_file(path: str, entries: Sequence[Entry], write: bool) -> None:
-    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+def write_file(
+    path: str, entries: Sequence[Entry], metadata: dict[str, str] | None = None, write: bool = True
+) -> None:
+    """One safetensors file of ``entries`` (in order) with ``metadata`` beside
+    ``{"format": "pt"}``; the header's keys in a fixed order, so the same tensors give
+    the same bytes (safetensors' own writer orders the metadata as a hash map does)."""
+    header: dict[str, Any] = {
+        "__metadata__": {"format": "pt", **dict(sorted((metadata or {}).items()))}
+    }
     offset = 0
     for name, shape, dtype, _ in entries:
         n = math.prod(shape) * np.dtype(dtype).itemsize

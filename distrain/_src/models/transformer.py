@@ -49,6 +49,7 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.sharding import PartitionSpec as P
 
+from distrain._src.models import kv_cache
 from distrain._src.nn.attention import dot_product_attention
 from distrain._src.nn.moe import moe
 from distrain._src.nn.pipeline import pipeline
@@ -289,6 +290,9 @@ class Attention(nnx.Module):
         q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]  # [B, T, H, D]
         if ctx.rope is not None:
             q, k = apply_rope(q, *ctx.rope), apply_rope(k, *ctx.rope)
+        decode = kv_cache.current()
+        if decode is not None:  # dt.models.generate: the new tokens over the KV cache
+            return self.out(decode.attend(q, k, v).reshape(b, t, cfg.d_model))
         # The sequence whole: jax.nn.dot_product_attention (cuDNN flash attention on a
         # GPU when the dtype and head size allow). Split over "context": ring attention.
         y = dot_product_attention(
