@@ -281,7 +281,7 @@ def _prompts(prompts: Any, lengths: Any, opts: _Options) -> tuple[Any, Any]:
     real = np.arange(tokens.shape[1])[None] < lens[:, None]
     if any(k not in "iu" for k in kinds) or (real & ((tokens < 0) | (tokens >= vocab))).any():
         raise ValueError(f"Prompts must hold integer token ids in [0, {vocab}).")
-    longest = int(lens.max())
+    longest = int(np.max(lens))
     if longest > ctx:
         raise ValueError(
             f"A prompt of {longest} tokens is longer than the model's context of {ctx}. "
