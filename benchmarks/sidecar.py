@@ -1,9 +1,9 @@
 """Evaluation inside ``fit`` against a sidecar evaluator: what the training pays.
 
 The same training (an MLP classifier on synthetic data, 8 virtual CPU devices,
-``dt.MirroredStrategy``) runs twice: ``in_fit`` validates every ``--every`` steps inside
-``fit`` (``validation_data``), stopping the training for each evaluation; ``sidecar``
-writes a checkpoint every ``--every`` steps instead (``ModelCheckpoint``) while a
+``dt.MirroredStrategy``, a checkpoint every ``--every`` steps in both arms) runs twice:
+``in_fit`` validates every ``--every`` steps inside ``fit`` (``validation_data``),
+stopping the training for each evaluation; ``sidecar`` does not, while a
 ``dt.SidecarEvaluator`` in another process (one device) evaluates each one
 (``every_checkpoint=True``) and stops after the training's final checkpoint. Recorded per
 arm from the training's goodput ledger: its ``evaluation`` bucket and its wall time; for
@@ -104,13 +104,15 @@ def follow(args: argparse.Namespace) -> int:
 
 def _train(args: argparse.Namespace, arm: str, workdir: str) -> dict:
     dt, train, test, train_step, eval_step, state = _setup(args, 8)
-    callbacks = [dt.callbacks.Goodput(workdir)]
+    # Both arms write the same checkpoints: they differ in where evaluation runs only.
+    ckpt = os.path.join(workdir, "ckpt")
+    callbacks = [
+        dt.callbacks.Goodput(workdir),
+        dt.callbacks.ModelCheckpoint(ckpt, save_freq=args.every, max_to_keep=None),
+    ]
     fit_kwargs: dict = {"steps_per_epoch": args.every, "epochs": args.steps // args.every}
     if arm == "in_fit":
         fit_kwargs["validation_data"] = test
-    else:
-        ckpt = os.path.join(workdir, "ckpt")
-        callbacks.append(dt.callbacks.ModelCheckpoint(ckpt, save_freq=args.every, max_to_keep=None))
     trainer = dt.Trainer(dt.MirroredStrategy(), train_step, eval_step, callbacks=callbacks)
     side = None
     if arm == "sidecar":

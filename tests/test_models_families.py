@@ -17,6 +17,7 @@ from jax.sharding import PartitionSpec as P
 import distrain as dt
 from distrain._src.models import llama, mixtral
 from distrain._src.models.family import family_for, family_of
+from tests.test_models_hub import _tensors
 
 FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 
@@ -119,17 +120,6 @@ def test_import_then_export_writes_the_same_tensors(variant, tmp_path):
     assert sorted(before) == sorted(after)
     for name, x in before.items():
         assert after[name].dtype == x.dtype and after[name].tobytes() == x.tobytes(), name
-
-
-def _tensors(directory):
-    from safetensors import safe_open
-
-    out = {}
-    for name in sorted(os.listdir(directory)):
-        if name.endswith(".safetensors"):
-            with safe_open(os.path.join(directory, name), framework="np") as f:
-                out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 def _changed(variant, **changes):

@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 import distrain as dt
 from distrain._src.models import lora as lora_lib
 from distrain._src.models import peft_format
+from tests.test_models_hub import _tensors  # every tensor of a directory's files
 
 HF = os.path.join(os.path.dirname(__file__), "fixtures", "hf")
 PEFT = os.path.join(os.path.dirname(__file__), "fixtures", "peft")
@@ -324,12 +325,6 @@ def _perturbed(params, seed=0):
         return np.asarray(x) + 0.01 * rng.standard_normal(x.shape, np.float32)
 
     return jax.tree_util.tree_map_with_path(perturb, params)
-
-
-def _tensors(directory):
-    from safetensors.numpy import load_file
-
-    return load_file(os.path.join(directory, "adapter_model.safetensors"))
 
 
 @pytest.mark.parametrize("variant", VARIANTS)

@@ -193,7 +193,7 @@ def _place(
     device with ``may_alias=True``. On CPU the device keeps that buffer (no second copy);
     elsewhere it is copied to the device and freed. (``jax.make_array_from_callback``
     copies every shard once more on CPU: 1.33x the parameters' bytes at the peak of a 1 GB
-    import instead of ~1.05x, ``benchmarks/hf_import.py``.)"""
+    import instead of 1.08x, ``benchmarks/results/hf_import.json``.)"""
     arrays = []
     for device, index in sharding.addressable_devices_indices_map(shape).items():
         bounds = [range(n)[i] for n, i in zip(shape, index, strict=True)]
