@@ -66,6 +66,7 @@ from distrain._src.cluster.base import (
     ENV_PROCESS_ID,
 )
 from distrain._src.cluster.communication import ENV_TIMEOUT_SECONDS
+from distrain._src.goodput import heartbeat
 
 ENV_RESTART_COUNT = "DISTRAIN_RESTART_COUNT"
 _DEVICE_FLAG = re.compile(r"--xla_force_host_platform_device_count=\S*")
@@ -112,6 +113,7 @@ def _checked(
 _positive_int = _checked(int, lambda v: v >= 1, "an integer >= 1")
 _non_negative_int = _checked(int, lambda v: v >= 0, "an integer >= 0")
 _positive_float = _checked(float, lambda v: v > 0, "seconds > 0")
+_non_negative_float = _checked(float, lambda v: v >= 0, "seconds >= 0")
 _port = _checked(int, lambda v: 0 <= v <= 65535, "a port in 0..65535")
 
 
@@ -228,6 +230,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="when the launcher is stopped (SIGTERM, Ctrl-C): seconds between SIGTERM and "
         "SIGKILL to the processes; after a process's preemption exit (143): seconds the "
         "others get to exit by themselves (default 5; after a failure they are killed at once)",
+    )
+    parser.add_argument(
+        "--hang-timeout",
+        type=_non_negative_float,
+        default=600.0,
+        metavar="S",
+        help="a process that finishes no step for S s while it is not compiling, saving or "
+        "evaluating is hung: it is reported and the job restarts as after a crash (uses one "
+        "of --max-restarts). Watched from the first finished step of `Trainer.fit` (or "
+        "dt.goodput's Ledger.progress) on; 0 turns it off (default 600)",
     )
     parser.add_argument(
         "--evaluator",
@@ -458,6 +470,9 @@ class _Launcher:
         self.stopped = False  # set from another thread: restart nothing
         self.out = getattr(sys.stdout, "buffer", None) or sys.stdout
         self.lock = lock or threading.Lock()
+        hang = getattr(args, "hang_timeout", 0)
+        self.watch = heartbeat.Watch(args.nproc, hang) if hang else None
+        self.hang: heartbeat.Stall | None = None  # the stall that ended the last attempt
 
     def stop(self) -> None:
         """From another thread: restart nothing more, and end the running attempt as a
@@ -498,12 +513,22 @@ class _Launcher:
         self.procs = procs
         pumps: list[threading.Thread] = []
         preempted = False
+        after_hang = {heartbeat.ENV_AFTER_HANG: self.hang.to_env()} if self.hang else {}
+        self.hang = None
+        if self.watch is not None:
+            self.watch.reset()
         try:
             for i in range(self.args.nproc):
+                beat = self.watch.env(i) if self.watch is not None else {}
                 try:
                     proc = subprocess.Popen(
                         self.command,
-                        env={**_child_env(self.args, i, port, attempt), **self.env},
+                        env={
+                            **_child_env(self.args, i, port, attempt),
+                            **self.env,
+                            **beat,
+                            **after_hang,
+                        },
                         stdin=subprocess.DEVNULL,
                         stdout=subprocess.PIPE,
                         stderr=subprocess.STDOUT,
@@ -530,6 +555,8 @@ class _Launcher:
                 pass  # stop(): the finally below ends the processes; no failure to report
             elif failure is not None and failure[1] == PREEMPTION_EXIT_CODE:
                 failure, preempted = self._after_preemption(procs, failure[0])
+            elif failure is not None and self.hang is not None:
+                pass  # _wait reported the hang and killed every process
             elif failure is not None:
                 if self.args.nproc == 1:  # an island's one process: the others go on
                     others = "; the other islands go on" if self.name else ""
@@ -565,6 +592,17 @@ class _Launcher:
                 return min(failed, key=lambda f: (f[1] == PREEMPTION_EXIT_CODE, f[1] > 0, f[0]))
             if all(code == 0 for code in codes):
                 return None
+            stall = None if self.watch is None else self.watch.check([c is None for c in codes])
+            if stall is not None:
+                self.hang = stall
+                self.log(
+                    f"process {stall.process} (pid {stall.pid}) made no progress for "
+                    f"{stall.seconds:.1f} s (--hang-timeout {self.args.hang_timeout:g}; last "
+                    f"finished step {stall.step}, not compiling, saving or evaluating): hung; "
+                    f"stopping {self._scope}"
+                )
+                _kill(procs)
+                return stall.process, -signal.SIGKILL
             time.sleep(0.05)
         return None
 
@@ -621,6 +659,13 @@ class _Launcher:
         one of `--max-preemptions` instead. When the launcher itself is stopped it
         raises (`_Terminated`, `KeyboardInterrupt`) and nothing restarts.
         """
+        try:
+            return self._attempts()
+        finally:
+            if self.watch is not None:
+                self.watch.close()
+
+    def _attempts(self) -> int:
         failures = preemptions = 0
         attempt = 0
         while True:

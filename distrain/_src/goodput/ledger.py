@@ -33,6 +33,8 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from distrain._src.goodput import heartbeat
+
 FILENAME = "goodput.jsonl"
 #: The buckets a process's time goes to (the report adds "lost" and "downtime").
 PHASES = ("step", "input", "checkpoint", "evaluation", "sync")
@@ -157,8 +159,13 @@ class Ledger:
             self._file = open(path, "a")  # noqa: SIM115 - closed by close()/at exit
         Ledger._open[path] = self
         atexit.register(self.close)
+        hang = heartbeat.after_hang()  # the previous attempt ended hung: the report says so
         self._record(
-            "start", process_start=self._start, pid=os.getpid(), milestones=dict(_milestones)
+            "start",
+            process_start=self._start,
+            pid=os.getpid(),
+            milestones=dict(_milestones),
+            **({"after_hang": hang} if hang else {}),
         )
 
     # ----------------------------------------------------------- accounting
@@ -178,7 +185,8 @@ class Ledger:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Charges the time inside to ``name`` (one of ``PHASES``); phases nest, and the
-        innermost gets the time (a save inside a step's callbacks is checkpoint time)."""
+        innermost gets the time (a save inside a step's callbacks is checkpoint time). A
+        save or an evaluation also tells the heartbeat the process is busy, not hung."""
         if name not in PHASES:  # a typo would silently charge the wrong bucket
             raise ValueError(f"Unknown goodput phase {name!r}; expected one of {PHASES}.")
         with self._lock:
@@ -187,15 +195,18 @@ class Ledger:
             if name == "step":
                 self._started_steps = True
         try:
-            yield
+            with heartbeat.busy(name) if name in heartbeat.BUSY else _NO_PHASE:
+                yield
         finally:
             with self._lock:
                 self._charge(time.time())
                 self._stack.pop()
 
     def progress(self, step: int) -> None:
-        """The loop reached global step ``step``; writes a record every ``interval``."""
+        """The loop reached global step ``step``; writes a record every ``interval`` (and
+        beats the heartbeat ``distrain launch --hang-timeout`` watches)."""
         self.step = int(step)
+        heartbeat.progress(step)
         if time.time() - self._last_write >= self.interval:
             self._record("tick")
 
@@ -311,9 +322,12 @@ _NO_PHASE = contextlib.nullcontext()
 
 def phase(name: str) -> contextlib.AbstractContextManager[None]:
     """``current().phase(name)``, or a shared no-op context when no ledger is current:
-    the Trainer enters it twice per dispatch, so without a ledger it costs a lookup."""
+    the Trainer enters it twice per dispatch, so without a ledger it costs a lookup (a
+    save or an evaluation still tells the heartbeat that the process is busy, not hung)."""
     ledger = _current
-    return _NO_PHASE if ledger is None else ledger.phase(name)
+    if ledger is not None:
+        return ledger.phase(name)
+    return heartbeat.busy(name) if name in heartbeat.BUSY else _NO_PHASE
 
 
 def settle_steps(state: Any) -> None:

@@ -4,10 +4,12 @@ An *attempt* is one chief process (one start record). Within an attempt the ledg
 totals say where the time went; between attempts nothing trained (``downtime``: from
 an attempt's last record to the next one's process start, so a SIGKILL's unrecorded
 tail counts there: at most the ledger's interval while steps run, all of a final
-evaluation that was killed). An attempt that did not finish its work and was followed
-by one that resumed from step ``r`` lost everything it did after its record of step
-``r`` (``lost``; the steps are redone); one followed by an attempt that resumed from
-nothing lost all of it. The buckets add up to the wall time from the first process
+evaluation that was killed), except the part a hang took: when ``distrain launch
+--hang-timeout`` found the attempt hung, the next attempt's start record says since when,
+and the gap from then to the detection is ``hang``. An attempt that did not finish its
+work and was followed by one that resumed from step ``r`` lost everything it did after
+its record of step ``r`` (``lost``; the steps are redone); one followed by an attempt
+that resumed from nothing lost all of it. The buckets add up to the wall time from the first process
 start to the last record.
 
 Example:
@@ -46,6 +48,7 @@ class Attempt:
     restore: tuple[str, float] | None  # (tier, seconds) of the restore it resumed from
     milestones: dict[str, float]  # seconds from the process start to each (``milestone``)
     finished: bool  # finished the run's work (a fit_end record: ``Ledger.finished``)
+    after_hang: dict[str, Any] | None  # the launcher's note: the attempt before it hung
     saves: tuple[tuple[float, int], ...]
     records: tuple[tuple[float, int | None, dict[str, float]], ...]  # (t, step, totals)
 
@@ -194,6 +197,7 @@ def _attempts(records: list[dict[str, Any]]) -> list[Attempt]:
                 restore=restore,
                 milestones=milestones,
                 finished=any(r["event"] == "fit_end" for r in rs),
+                after_hang=begun.get("after_hang"),
                 saves=tuple((r["t"], r["step"]) for r in rs if r["event"] == "save"),
                 records=tuple((r["t"], r.get("step"), r["buckets"]) for r in rs),
             )
@@ -234,7 +238,13 @@ def report(workdir: str | os.PathLike[str]) -> Report:
         nxt = attempts[i + 1] if i + 1 < len(attempts) else None
         if nxt is None:
             continue
-        buckets["downtime"] += max(0.0, nxt.start - a.end)
+        gap = max(0.0, nxt.start - a.end)
+        if nxt.after_hang is not None:  # from the stall to its detection nothing moved
+            stalled = float(nxt.after_hang["detected"]) - max(a.end, nxt.after_hang["since"])
+            hung = min(gap, max(0.0, stalled))
+            buckets["hang"] += hung
+            gap -= hung
+        buckets["downtime"] += gap
         if a.finished:
             continue
         failures += 1

@@ -37,6 +37,7 @@ from typing import Any
 import jax
 
 from distrain._src.current import get_strategy
+from distrain._src.goodput import heartbeat
 from distrain._src.goodput import ledger as goodput
 from distrain._src.goodput.ledger import settle_steps
 from distrain._src.padding import MASK_KEY
@@ -372,11 +373,13 @@ class Trainer:
                 self.loop.step_in_epoch = 0
                 if self.stop_training:
                     break
+            heartbeat.pause()  # what follows the loop is not watched for hangs
             cbs.call("on_train_end", logs)
         except BaseException as e:
             cbs.abort(e)
             raise
         finally:
+            heartbeat.pause()
             self.loop.in_fit = False
             goodput.set_current(None)  # set by a dt.callbacks.Goodput of this fit
         return self.state, self.loop.history
@@ -407,6 +410,7 @@ class Trainer:
             with goodput.phase("step"):
                 self.state = steps.run(self.state, [self._input.wrap(b) for b in batches])
                 self._after_dispatch(cbs, len(batches))
+            heartbeat.progress(self.loop.global_step)  # distrain launch --hang-timeout
             steps.calibrate(
                 self.state,
                 self.loop.global_step - self.loop.initial_step,
