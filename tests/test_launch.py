@@ -24,6 +24,7 @@ import pytest
 
 import distrain as dt
 from distrain._src.cluster import launch
+from distrain._src.cluster.supervisor import Supervisor
 
 pytestmark = pytest.mark.one_end("newest")  # see tests/conftest.py
 
@@ -573,13 +574,13 @@ ISLAND = (
 )
 
 
-def _island_launcher(argv: list[str]) -> launch._Launcher:
+def _island_launcher(argv: list[str]) -> Supervisor:
     """One island's launcher, as `distrain launch --islands` makes it."""
     parser = launch.argparse.ArgumentParser()
     launch.add_arguments(parser)
     args = parser.parse_args(argv)
     args.nproc = args.nproc_per_island
-    return launch._Launcher(args, args.command[1:], name="island 1 ")
+    return Supervisor(args, args.command[1:], name="island 1 ")
 
 
 def test_a_stopped_island_ends_on_sigterm_and_is_not_reported_as_killed(tmp_path, capfd):

@@ -86,7 +86,8 @@ def test_async_training_on_ray_converges_through_worker_crashes(make, digits):
     ray.kill(coordinator._workers[0].actor)  # while steps are running
     coordinator.join()
     assert all(np.isfinite(v.fetch()["loss"]) for v in values)
-    assert common.accuracy(variables.read(), digits[1]) >= 0.90  # as test_ps: load decides staleness
+    # As in test_ps: the machine's load decides the staleness, and so the accuracy reached.
+    assert common.accuracy(variables.read(), digits[1]) >= 0.90
     assert coordinator.stats()["retried"] >= 2
     assert coordinator.stats()["workers_alive"] == 1
     stats = strategy.stats()

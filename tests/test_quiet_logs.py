@@ -182,12 +182,12 @@ def test_launch_drops_gloo_connection_lines_unless_verbose(capfd, monkeypatch, v
 
 
 def test_a_gloo_line_with_missing_peers_is_kept(monkeypatch):
-    from distrain._src.cluster import launch
+    from distrain._src.cluster.processes import is_noise
 
     monkeypatch.delenv(verbosity.ENV, raising=False)
     line = "[Gloo] Rank 1 is connected to {} peer ranks. " + (
         "Expected number of connected peer ranks is : 3"
     )
-    assert launch._is_noise(line.format(3).encode())
-    assert not launch._is_noise(line.format(2).encode())  # a peer missing: kept
-    assert not launch._is_noise(b"[Gloo] Rank 1 is NOT connected to: [2]")
+    assert is_noise(line.format(3).encode())
+    assert not is_noise(line.format(2).encode())  # a peer missing: kept
+    assert not is_noise(b"[Gloo] Rank 1 is NOT connected to: [2]")

@@ -36,7 +36,7 @@ from distrain._src.cluster.base import (
     ENV_PROCESS_ID,
     ENV_TASK_TYPE,
 )
-from distrain._src.cluster.launch import _exit_code, _signal_group, _status_text
+from distrain._src.cluster.processes import exit_code, signal_group, status_text
 
 ENV_EVALUATOR_RESTART_COUNT = "DISTRAIN_RESTART_COUNT"  # its own attempts, as the workers'
 
@@ -109,7 +109,7 @@ class Evaluator:
             if code == 0 or self._stopping.is_set():
                 self.status = code
                 return
-            what = _status_text(code)
+            what = status_text(code)
             if failures >= self.args.max_restarts:
                 self._log(f"the evaluator {what}; out of restarts, the workers go on")
                 self.status = code
@@ -125,7 +125,7 @@ class Evaluator:
         checkpoint) and returns its status."""
         self._log("workers finished; waiting for the evaluator to evaluate the final checkpoint")
         self._thread.join()
-        return _exit_code(self.status or 0)
+        return exit_code(self.status or 0)
 
     def stop(self) -> int:
         """SIGTERM (it stops with one line), SIGKILL after ``--grace-period``; returns its
@@ -133,13 +133,13 @@ class Evaluator:
         self._stopping.set()
         proc = self.proc
         if proc is not None and proc.poll() is None:
-            _signal_group(proc, signal.SIGTERM)
+            signal_group(proc, signal.SIGTERM)
             deadline = time.monotonic() + self.args.grace_period
             while proc.poll() is None and time.monotonic() < deadline:
                 time.sleep(0.05)
-            _signal_group(proc, signal.SIGKILL)
+            signal_group(proc, signal.SIGKILL)
         self._thread.join(timeout=self.args.grace_period + 5)
         if self.proc is not None and self.proc.poll() is None:  # started as it was stopped
-            _signal_group(self.proc, signal.SIGKILL)
+            signal_group(self.proc, signal.SIGKILL)
             self.proc.wait()
-        return _exit_code(self.status or 0)
+        return exit_code(self.status or 0)

@@ -21,9 +21,10 @@ import sys
 import tempfile
 import threading
 import time
-from typing import Any
 
 from distrain._src.cluster.base import ENV_ISLAND, ENV_ISLANDS
+from distrain._src.cluster.processes import free_port
+from distrain._src.cluster.supervisor import Supervisor
 
 RAY_START_TIMEOUT_S = 120.0
 
@@ -143,12 +144,9 @@ def stop_ray(proc: subprocess.Popen) -> None:
         proc.wait(timeout=5.0)
 
 
-def run_islands(
-    args: argparse.Namespace, command: list[str], launcher_cls: Any, free_port: Any
-) -> int:
-    """Runs ``args.islands`` islands of ``command``, each a ``launcher_cls`` (the plain
-    launcher, passed in so that this module does not import it); returns the exit
-    status."""
+def run_islands(args: argparse.Namespace, command: list[str]) -> int:
+    """Runs ``args.islands`` islands of ``command``, each under a ``Supervisor`` of its own;
+    returns the exit status."""
     n = args.islands
     lock = threading.Lock()
     port = free_port()
@@ -178,9 +176,7 @@ def run_islands(
             ENV_ISLAND: str(k),
             ENV_ISLANDS: str(n),
         }
-        launchers.append(
-            launcher_cls(island_args, command, name=f"island {k} ", env=env, lock=lock)
-        )
+        launchers.append(Supervisor(island_args, command, name=f"island {k} ", env=env, lock=lock))
 
     def body(k: int) -> None:
         try:
