@@ -40,7 +40,7 @@ import threading
 import time
 from pathlib import Path
 
-from benchmarks import local_exchange
+from benchmarks import local_exchange, portable
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     exchange = {} if args.toy else local_exchange.measure()  # the toy run stays short
     main_arm = arms.get("local") or next(iter(arms.values()))
     figures: dict = {
-        "command": " ".join(["python -m benchmarks.goodput", *(argv or sys.argv[1:])]),
+        "command": portable.command(["python -m benchmarks.goodput", *(argv or sys.argv[1:])]),
         "config": args.config,
         "nproc": args.nproc,
         "local_freq": args.local_freq,

@@ -73,6 +73,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import portable
 from benchmarks.islands import DATA, ROOT
 from benchmarks.islands import TOY as TOY_MODEL
 
@@ -309,7 +310,7 @@ def _run_arm(
         "exit": code,
         "wall_s": wall,
         "t_start": t0,
-        "command": " ".join(command),
+        "command": portable.command(command),
         "kills": killer.kills if killer else [],
         "killer_error": killer.error if killer else None,
     }

@@ -38,7 +38,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from benchmarks import report
+from benchmarks import portable, report
 from benchmarks.loops import JAX_CONFIGS
 from benchmarks.workloads import WORKLOADS
 
@@ -281,7 +281,10 @@ def run_extras(quick: bool, log_dir: str, timeout: float) -> dict[str, Any]:
                 proc.wait(timeout=10)
                 rc = None
         text = Path(log_path).read_text(errors="replace")
-        entry: dict[str, Any] = {"command": " ".join(cmd[1:]), "wall_s": time.perf_counter() - t0}
+        entry: dict[str, Any] = {
+            "command": portable.command(cmd[1:]),
+            "wall_s": time.perf_counter() - t0,
+        }
         try:
             if rc != 0:
                 raise ValueError("timed out" if rc is None else f"exit code {rc}")
