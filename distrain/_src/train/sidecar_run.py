@@ -73,16 +73,16 @@ def _parts(cfg: RunConfig) -> Any:
 
 def _callbacks(cfg: RunConfig, workdir: str) -> list[Any]:
     """The config's loggers, writing into the evaluator's own directory."""
-    from distrain import callbacks as cb
+    from distrain._src.train.callbacks.logging import CSVLogger, JSONLinesLogger, TensorBoard
     from distrain._src.train.run import _trackers
 
     out: list[Any] = []
     if cfg.logging.tensorboard:
-        out.append(cb.TensorBoard(workdir))
+        out.append(TensorBoard(workdir))
     if cfg.logging.csv:
-        out.append(cb.CSVLogger(os.path.join(workdir, "evaluations.csv")))
+        out.append(CSVLogger(os.path.join(workdir, "evaluations.csv")))
     if cfg.logging.jsonl:
-        out.append(cb.JSONLinesLogger(os.path.join(workdir, "metrics.jsonl")))
+        out.append(JSONLinesLogger(os.path.join(workdir, "metrics.jsonl")))
     return out + _trackers(cfg, None)
 
 
