@@ -317,7 +317,7 @@ def _run_arm(
 
 
 def _rows(directory: Path, total: int) -> dict[str, int]:
-    from distrain._src.islands.coordinator import committed_rows
+    from distrain._src.islands.island_coordinator import committed_rows
 
     committed = committed_rows(str(directory)).astype(np.int64)
     unique = np.unique(committed)

@@ -27,7 +27,7 @@ from distrain._src.cluster.resolvers import EnvClusterResolver as EnvClusterReso
 from distrain._src.cluster.resolvers import SimpleClusterResolver as SimpleClusterResolver
 from distrain._src.cluster.runtime import initialize_distributed as initialize_distributed
 from distrain._src.cluster.tf_config import TFConfigClusterResolver as TFConfigClusterResolver
-from distrain._src.cluster.tpu import TPUClusterResolver as TPUClusterResolver
+from distrain._src.cluster.tpu_resolver import TPUClusterResolver as TPUClusterResolver
 from distrain._src.cluster.tpu_system import initialize_tpu_system as initialize_tpu_system
 from distrain._src.context import ReduceOp as ReduceOp
 from distrain._src.context import ReplicaContext as ReplicaContext
@@ -50,7 +50,7 @@ from distrain._src.strategy.multi_worker import (
 from distrain._src.strategy.one_device import OneDeviceStrategy as OneDeviceStrategy
 from distrain._src.strategy.replica_layout import ReplicaLayout as ReplicaLayout
 from distrain._src.strategy.rules import OrderedAxisRules as OrderedAxisRules
-from distrain._src.strategy.tpu import TPUStrategy as TPUStrategy
+from distrain._src.strategy.tpu_strategy import TPUStrategy as TPUStrategy
 from distrain._src.train.accumulation import accumulate_gradients as accumulate_gradients
 from distrain._src.train.history import History as History
 from distrain._src.train.state import TrainState as TrainState

@@ -23,14 +23,14 @@ import optax
 import pytest
 
 from distrain._src.goodput.report import report
-from distrain._src.islands.coordinator import (
+from distrain._src.islands.island import random_access
+from distrain._src.islands.island_coordinator import (
     IslandCoordinator,
     IslandsConfig,
     IslandsFailed,
     RejoinRequired,
     committed_rows,
 )
-from distrain._src.islands.island import random_access
 from distrain._src.islands.rows import RowLedger
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,7 +54,7 @@ def _coordinator(tmp_path, tx=None, **kw):
 
 
 def _structure(params=PARAMS, treedef=TREEDEF):
-    from distrain._src.islands.coordinator import structure_of
+    from distrain._src.islands.island_coordinator import structure_of
 
     return structure_of(params, treedef)
 
@@ -404,7 +404,7 @@ def test_launcher_island_options_are_checked(argv, message, capsys):
 
 
 def test_each_cluster_has_its_own_token_unless_the_user_set_one(monkeypatch):
-    from distrain._src.islands.launch import _ray_env
+    from distrain._src.islands.launch_islands import _ray_env
 
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
     monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
@@ -737,7 +737,6 @@ def test_async_applies_on_arrival_discards_stale_work_and_loses_no_row(tmp_path)
 
 
 def test_without_ray_both_sides_name_the_extra(monkeypatch):
-    from distrain._src.islands import launch
 
     python = sys.executable
     monkeypatch.setattr(sys, "executable", "/nonexistent/python")

@@ -25,8 +25,8 @@ from jax.sharding import PartitionSpec as P
 
 import distrain as dt
 from distrain._src.cluster import tpu_system
-from distrain._src.strategy import tpu as tpu_strategy
-from distrain._src.strategy.tpu import (
+from distrain._src.strategy import tpu_strategy as tpu_strategy
+from distrain._src.strategy.tpu_strategy import (
     check_num_replicas,
     check_slices,
     devices_per_replica_from,

@@ -1,7 +1,7 @@
 """``dt.experimental.coordinator``: scheduling functions on parameter-server workers."""
 
-from distrain._src.ps.coordinator import ClusterCoordinator as ClusterCoordinator
-from distrain._src.ps.coordinator import RemoteValue as RemoteValue
+from distrain._src.ps.cluster_coordinator import ClusterCoordinator as ClusterCoordinator
+from distrain._src.ps.cluster_coordinator import RemoteValue as RemoteValue
 from distrain._src.ps.datasets import PerWorkerDataset as PerWorkerDataset
 from distrain._src.ps.datasets import PerWorkerIterator as PerWorkerIterator
 from distrain._src.ps.errors import FunctionCancelledError as FunctionCancelledError

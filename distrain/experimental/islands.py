@@ -6,14 +6,14 @@ with ``distrain launch --islands N -- python train.py``, where ``train.py`` call
 :func:`train` (``docs/islands.md``, "Fault-isolated islands").
 """
 
-from distrain._src.islands.coordinator import IslandCoordinator as IslandCoordinator
-from distrain._src.islands.coordinator import IslandsConfig as IslandsConfig
-from distrain._src.islands.coordinator import IslandsFailed as IslandsFailed
-from distrain._src.islands.coordinator import RejoinRequired as RejoinRequired
-from distrain._src.islands.coordinator import committed_rows as committed_rows
 from distrain._src.islands.island import IslandsResult as IslandsResult
 from distrain._src.islands.island import random_access as random_access
 from distrain._src.islands.island import train as train
+from distrain._src.islands.island_coordinator import IslandCoordinator as IslandCoordinator
+from distrain._src.islands.island_coordinator import IslandsConfig as IslandsConfig
+from distrain._src.islands.island_coordinator import IslandsFailed as IslandsFailed
+from distrain._src.islands.island_coordinator import RejoinRequired as RejoinRequired
+from distrain._src.islands.island_coordinator import committed_rows as committed_rows
 from distrain._src.islands.outer import delayed_nesterov as delayed_nesterov
 from distrain._src.islands.rows import RowLedger as RowLedger
 

@@ -301,7 +301,7 @@ def run(args: argparse.Namespace) -> int:
 
         previous = signal.signal(signal.SIGTERM, on_term)
     if islands:
-        from distrain._src.islands.launch import run_islands
+        from distrain._src.islands.launch_islands import run_islands
 
         try:
             return run_islands(args, [program, *command[1:]])

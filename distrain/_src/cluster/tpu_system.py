@@ -41,7 +41,7 @@ from distrain._src.cluster.runtime import (
     _requested_platforms,
     initialize_distributed,
 )
-from distrain._src.cluster.tpu import TPUClusterResolver
+from distrain._src.cluster.tpu_resolver import TPUClusterResolver
 
 PCI_DEVICES = "/sys/bus/pci/devices"
 GOOGLE_PCI_VENDOR = "0x1ae0"

@@ -35,7 +35,7 @@ from distrain._src.checkpoint.preemption import PREEMPTION_EXIT_CODE
 from distrain._src.cluster.base import ENV_ISLAND, ENV_ISLANDS, ENV_NUM_PROCESSES
 from distrain._src.goodput import ledger as goodput
 from distrain._src.islands import remote
-from distrain._src.islands.coordinator import IslandsConfig, RejoinRequired, structure_of
+from distrain._src.islands.island_coordinator import IslandsConfig, RejoinRequired, structure_of
 from distrain._src.islands.outer import delayed_nesterov
 from distrain._src.train.metrics import Metric
 

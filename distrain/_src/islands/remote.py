@@ -25,7 +25,11 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
-from distrain._src.islands.coordinator import IslandCoordinator, IslandsFailed, RejoinRequired
+from distrain._src.islands.island_coordinator import (
+    IslandCoordinator,
+    IslandsFailed,
+    RejoinRequired,
+)
 
 NAMESPACE = "distrain-islands"
 RUN_ID = "run-id"  # DIR/run-id: this run directory's id, written by the first island

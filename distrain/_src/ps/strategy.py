@@ -1,7 +1,7 @@
 """`ParameterServerStrategy`: variables on parameter servers, asynchronous workers.
 
 The strategy owns the parameter servers and says how workers run; the
-`ClusterCoordinator` (``coordinator.py``) schedules steps on them. Three
+`ClusterCoordinator` (``cluster_coordinator.py``) schedules steps on them. Three
 calls set it up:
 
 * ``create_variables(params, tx)`` places a params pytree and its optax
@@ -45,7 +45,7 @@ from distrain._src.ps.servers import ServerGroup, check_index
 from distrain._src.ps.step import StepFn, WorkerStep
 
 if TYPE_CHECKING:
-    from distrain._src.ps.coordinator import ClusterCoordinator
+    from distrain._src.ps.cluster_coordinator import ClusterCoordinator
 
 BACKENDS = ("inprocess", "ray")
 

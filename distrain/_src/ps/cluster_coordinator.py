@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from distrain._src.ps import checkpointing
+from distrain._src.ps import server_checkpoints
 from distrain._src.ps.backend import Worker
 from distrain._src.ps.datasets import PerWorkerDataset, PerWorkerIterator
 from distrain._src.ps.errors import (
@@ -469,7 +469,7 @@ class ClusterCoordinator:
             The step saved: the number of updates applied so far (server 0's version).
         """
         self.join()
-        return checkpointing.save(self._strategy.server_group("save"), directory)
+        return server_checkpoints.save(self._strategy.server_group("save"), directory)
 
     def restore(self, directory: str, step: int | None = None) -> int:
         """Loads the servers' params and optimizer state from a checkpoint (latest by default).
@@ -482,7 +482,7 @@ class ClusterCoordinator:
             ValueError: the checkpoint was written for other variables or servers.
         """
         self.join()
-        return checkpointing.restore(self._strategy.server_group("restore"), directory, step)
+        return server_checkpoints.restore(self._strategy.server_group("restore"), directory, step)
 
     def stats(self) -> dict[str, int]:
         """Scheduled, completed, retried, failed and cancelled functions; live workers."""
