@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from distrain._src.ps.layout import Layout
+from distrain._src.ps.variable_layout import Layout
 from distrain.experimental.partitioners import (
     FixedShardsPartitioner,
     MaxSizePartitioner,

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from distrain._src import context
 
 if TYPE_CHECKING:
-    from distrain._src.ps.strategy import ParameterServerStrategy
+    from distrain._src.ps.ps_strategy import ParameterServerStrategy
     from distrain._src.strategy.base import Strategy
 
 

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import optax
 
-from distrain._src.ps.layout import Layout
 from distrain._src.ps.servers import ServerGroup
 from distrain._src.ps.step import StepProgram
+from distrain._src.ps.variable_layout import Layout
 
 
 class Worker(abc.ABC):

@@ -46,19 +46,19 @@ import jax
 
 from distrain._src.ps import server_checkpoints
 from distrain._src.ps.backend import Worker
-from distrain._src.ps.datasets import PerWorkerDataset, PerWorkerIterator
 from distrain._src.ps.errors import (
     FunctionCancelledError,
     ParameterServerUnavailableError,
     WorkerFailure,
     WorkerUnavailableError,
 )
+from distrain._src.ps.per_worker_datasets import PerWorkerDataset, PerWorkerIterator
 from distrain._src.ps.servers import ServerGroup, check_index
 from distrain._src.ps.step import WorkerStep
 from distrain._src.ps.worker import FAULT_POINTS
 
 if TYPE_CHECKING:
-    from distrain._src.ps.strategy import ParameterServerStrategy
+    from distrain._src.ps.ps_strategy import ParameterServerStrategy
 
 _ADMIT_POLL_S = 0.05
 
@@ -177,7 +177,7 @@ class ClusterCoordinator:
     """
 
     def __init__(self, strategy: ParameterServerStrategy) -> None:
-        from distrain._src.ps.strategy import ParameterServerStrategy
+        from distrain._src.ps.ps_strategy import ParameterServerStrategy
 
         if not isinstance(strategy, ParameterServerStrategy):
             raise TypeError(

@@ -17,9 +17,9 @@ import numpy as np
 import optax
 
 from distrain._src.ps.backend import ServerBackend, Worker
-from distrain._src.ps.layout import Layout
 from distrain._src.ps.server import ParameterServer
 from distrain._src.ps.servers import LocalServerGroup, ServerGroup
+from distrain._src.ps.variable_layout import Layout
 from distrain._src.ps.worker import StepRuntime, WorkerCore
 
 

@@ -4,7 +4,7 @@ A partitioner is any callable ``partitioner(shape, dtype) -> list[int]``
 that returns the number of partitions along each axis, as in TensorFlow's
 `tf.distribute.experimental.partitioners`. Only axis 0 may be split; the
 pieces of a split variable are placed on the parameter servers round-robin
-(see `distrain._src.ps.layout`).
+(see `distrain._src.ps.variable_layout`).
 
 Example:
     >>> import numpy as np

@@ -31,12 +31,12 @@ import optax
 
 from distrain._src import verbosity
 from distrain._src.ps.backend import ServerBackend, Worker
-from distrain._src.ps.datasets import IteratorRef
 from distrain._src.ps.errors import ParameterServerUnavailableError, WorkerFailure
-from distrain._src.ps.layout import Layout
+from distrain._src.ps.per_worker_datasets import IteratorRef
 from distrain._src.ps.server import ParameterServer
 from distrain._src.ps.servers import ServerGroup
 from distrain._src.ps.step import StepProgram
+from distrain._src.ps.variable_layout import Layout
 from distrain._src.ps.worker import StepRuntime, WorkerCore
 
 LOCAL_NUM_CPUS = 2

@@ -17,8 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from distrain._src.ps.layout import Layout
 from distrain._src.ps.server import ParameterServer
+from distrain._src.ps.variable_layout import Layout
 
 
 class ServerGroup(abc.ABC):

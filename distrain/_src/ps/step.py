@@ -35,10 +35,10 @@ import jax
 import numpy as np
 from jax.experimental import io_callback
 
-from distrain._src.ps.layout import Layout
+from distrain._src.ps.variable_layout import Layout
 
 if TYPE_CHECKING:
-    from distrain._src.ps.strategy import ParameterServerStrategy
+    from distrain._src.ps.ps_strategy import ParameterServerStrategy
 
 _ids = itertools.count()
 

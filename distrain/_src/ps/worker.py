@@ -26,8 +26,8 @@ import jax
 import numpy as np
 
 from distrain._src.ps.backend import Worker
-from distrain._src.ps.datasets import WorkerInputs
 from distrain._src.ps.errors import WorkerFailure
+from distrain._src.ps.per_worker_datasets import WorkerInputs
 from distrain._src.ps.servers import ServerGroup
 from distrain._src.ps.step import RUNTIMES, StepProgram
 

@@ -58,7 +58,7 @@ __all__ = ["DataEndedError", "Trainer"]
 def _check_strategy(strategy: Any) -> Strategy:
     if isinstance(strategy, Strategy):
         return strategy
-    from distrain._src.ps.strategy import ParameterServerStrategy
+    from distrain._src.ps.ps_strategy import ParameterServerStrategy
 
     if isinstance(strategy, ParameterServerStrategy):
         raise TypeError(

@@ -40,9 +40,9 @@ import optax
 
 from distrain._src import context
 from distrain._src.ps.backend import ServerBackend, Worker
-from distrain._src.ps.layout import Layout
 from distrain._src.ps.servers import ServerGroup, check_index
 from distrain._src.ps.step import StepFn, WorkerStep
+from distrain._src.ps.variable_layout import Layout
 
 if TYPE_CHECKING:
     from distrain._src.ps.cluster_coordinator import ClusterCoordinator
