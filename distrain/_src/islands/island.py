@@ -343,7 +343,7 @@ def train(
     """
     import optax
 
-    import distrain as dt
+    from distrain._src.strategy.mirrored import MirroredStrategy
 
     island, islands = _ids(island, islands)
     num_rows, take = random_access(data)
@@ -363,7 +363,7 @@ def train(
         max_staleness=max_staleness,
         round_timeout=round_timeout,
     )
-    strategy = strategy or dt.MirroredStrategy()
+    strategy = strategy or MirroredStrategy()
     replicas = strategy.num_replicas_in_sync
     tail = (num_rows * epochs) % batch_size
     if batch_size % replicas or tail % replicas:
