@@ -18,7 +18,8 @@ from distrain._src.nn.load_balance import load_balance_inverse as load_balance_i
 from distrain._src.nn.load_balance import load_balance_order as load_balance_order
 from distrain._src.nn.moe import moe as moe
 from distrain._src.nn.moe import route as route
-from distrain._src.nn.pipeline import pipeline as pipeline
+from distrain._src.nn.moe import update_selection_bias as update_selection_bias
+from distrain._src.nn.pipeline_stages import pipeline as pipeline
 
 __all__ = [
     "LoadBalance",
@@ -29,4 +30,5 @@ __all__ = [
     "moe",
     "pipeline",
     "route",
+    "update_selection_bias",
 ]

@@ -214,3 +214,34 @@ def test_advice_when_the_peak_is_over_or_close_to_the_memory():
     assert advice[0].startswith("the state alone (150 B per device) does not fit")
     assert advice[1].startswith("model.kwargs.remat=nothing_saveable")
     assert len(advice) == 2
+
+
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
+def test_the_advice_for_experts_keeps_their_layout_and_plans(devices):
+    """Issue 58: a mixture of experts whose peak is over the memory gets a per-device
+    capacity, not a tensor layout that would replace its experts' rules; the capacity
+    it names plans (in this process: 8 devices)."""
+    from distrain._src.train.config import load_config
+    from distrain._src.train.plan import plan_config
+
+    moe = [
+        "strategy.devices_per_replica={expert: 2, fsdp: 4}",
+        "strategy.layout={'mlp/w_in|mlp/w_out': [expert, fsdp]}",
+        "model.kwargs.moe_experts=4",
+        "model.kwargs.n_layers=1",
+        "model.kwargs.d_model=64",
+        "data.global_batch_size=8",
+        "data.abstract={tokens: {shape: [129], dtype: int32}}",
+    ]
+    got = plan_config(load_config("configs/lm_tiny.yaml", moe), device_memory=1024)
+    assert got["fits"] is False and got["batch"]["rows_per_device"] == 1
+    assert not any("TENSOR_PARALLEL_LAYOUT" in a or "tensor" in a for a in got["advice"])
+    (capacity,) = [a for a in got["advice"] if a.startswith("model.kwargs.moe_capacity")]
+    overrides = capacity.split(":")[0].split()
+    assert overrides == [
+        "model.kwargs.moe_capacity_factor=1.25",
+        "model.kwargs.moe_capacity_group=device",
+    ]
+    bounded = plan_config(load_config("configs/lm_tiny.yaml", moe + overrides), 1024)
+    assert bounded["peak_bytes_per_device"] < got["peak_bytes_per_device"]
+    assert not any(a.startswith("model.kwargs.moe_capacity") for a in bounded["advice"])

@@ -52,7 +52,7 @@ from jax.sharding import PartitionSpec as P
 from distrain._src.models import kv_cache
 from distrain._src.nn.attention import dot_product_attention
 from distrain._src.nn.moe import moe
-from distrain._src.nn.pipeline import pipeline
+from distrain._src.nn.pipeline_stages import pipeline
 
 __all__ = [
     "EXPERT_LAYOUT",
@@ -105,6 +105,8 @@ class LMConfig:
         experts of width ``d_ff`` (``dt.nn.moe``).
       moe_top_k: experts per token.
       moe_capacity_factor: ``None``: dropless; a number: ``dt.nn.moe``'s capacity factor.
+      moe_capacity_group: ``dt.nn.moe``'s ``capacity_group``: ``"call"`` (the replica's
+        tokens) or ``"device"`` (each device's: bounded exchange buffers).
       moe_shared_expert: add a dense expert of width ``d_ff`` every token goes through.
       moe_balance_weight, moe_z_weight: the weights of the load-balancing loss and the
         router z-loss in ``moe_loss`` (Switch Transformer's 0.01; ST-MoE's 0.001).
@@ -126,6 +128,7 @@ class LMConfig:
     moe_experts: int | None = None
     moe_top_k: int = 2
     moe_capacity_factor: float | None = None
+    moe_capacity_group: Literal["call", "device"] = "call"
     moe_shared_expert: bool = False
     moe_balance_weight: float = 0.01
     moe_z_weight: float = 0.001
@@ -182,6 +185,11 @@ class LMConfig:
             raise ValueError(
                 f"LMConfig.moe_capacity_factor must be > 0 (or None: dropless). Received: {c!r}."
             )
+        if self.moe_capacity_group not in ("call", "device"):
+            raise ValueError(
+                "LMConfig.moe_capacity_group must be 'call' or 'device'. "
+                f"Received: {self.moe_capacity_group!r}."
+            )
         if self.pipeline_microbatches is not None:
             raise ValueError(
                 "LMConfig: mixture-of-experts blocks (moe_experts) cannot be pipelined yet "
@@ -200,15 +208,19 @@ class LMConfig:
 
 def constrain_hidden(x: jax.Array) -> jax.Array:
     """Hidden states ``[B, T, D]`` laid out as Megatron does when the step runs on a
-    replica mesh with an ``"fsdp"`` axis: rows split over it, whole over ``"tensor"``
+    replica mesh with an ``"fsdp"`` axis: rows split over it (and over ``"expert"``, a
+    data axis for all but the experts, when the rows divide), whole over ``"tensor"``
     (every tensor-parallel device needs the whole hidden state of its rows), the
     sequence split over ``"context"`` if the replica has it. A no-op elsewhere (one
     device, data parallelism, plain ``jax.jit``)."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or "fsdp" not in mesh.axis_names or x.shape[0] % mesh.shape["fsdp"]:
         return x
+    rows = tuple(a for a in mesh.axis_names if a in ("fsdp", "expert"))  # the batch's order
+    if x.shape[0] % math.prod(mesh.shape[a] for a in rows):
+        rows = ("fsdp",)
     seq = "context" if "context" in mesh.axis_names else None
-    return jax.lax.with_sharding_constraint(x, P("fsdp", seq, None))
+    return jax.lax.with_sharding_constraint(x, P(rows, seq, None))
 
 
 # Megatron-style tensor parallelism for a replica mesh {"fsdp": F, "tensor": T}: the
@@ -344,6 +356,7 @@ class MoE(nnx.Module):
             params,
             top_k=cfg.moe_top_k,
             capacity_factor=cfg.moe_capacity_factor,
+            capacity_group=cfg.moe_capacity_group,
         )
         if self.shared is not None:
             y = y + self.shared(x)

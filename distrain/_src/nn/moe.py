@@ -1,8 +1,9 @@
 """Mixture of experts: top-k routing, grouped matmuls that drop no token, and experts
-split over the replica's ``"expert"`` axis.
+split over the replica's ``"expert"`` axis with the tokens split over every data axis.
 
-:func:`moe` is the layer a model calls; :func:`route` is its router. Where the layer runs
-decides how it runs:
+:func:`moe` is the layer a model calls; :func:`route` is its router
+(``moe_routing.py``, with the balancing bias); ``moe_exchange.py`` moves the tokens.
+Where the layer runs decides how it runs:
 
 * no ``"expert"`` axis of size > 1 in the context mesh (plain ``jax.jit``, one device, a
   replica without that axis): every expert on every device. The ``T x k`` (token,
@@ -11,17 +12,22 @@ decides how it runs:
   on GPUs; XLA:CPU computes every group's weight over every row, ``E / k`` times the
   FLOPs: benchmarks/experts.py);
 * inside a step whose replica has ``devices_per_replica={"expert": X, ...}``: a
-  ``shard_map`` manual over ``"expert"`` only (other axes stay with XLA's partitioner).
-  Each device holds ``E / X`` experts (lay the expert weights out with a ``P("expert")``
-  rule on their leading dimension) and ``T / X`` of the tokens; each token travels to
-  the devices of its experts and back with one ``all_to_all`` each way. The exchange
-  is **padded**: ``T / X * k`` rows to every device, the most one device could be sent
-  (XLA:CPU has no ragged all-to-all), so an all-to-all moves ``X`` times the rows that
-  carry tokens and the grouped matmuls run over the padding too (its rows are zeros).
+  ``shard_map`` manual over the **token axes**: ``"expert"`` and, where the mesh has
+  them, ``"fsdp"`` and ``"context"`` (other axes, such as ``"tensor"``, stay with XLA's
+  partitioner). The call's tokens split over all of them (``T_d = T / (X F C)`` per
+  device, fewer as the mesh grows), each device holds ``E / X`` experts (lay the expert
+  weights out with a ``P("expert")`` rule on their leading dimension; a split of their
+  other dimensions is gathered on entry, as FSDP does), and each token travels to the
+  devices of its experts within its ``"expert"`` group and back. The exchange
+  (``exchange=``) is **padded** on CPU (``X x T_d k`` rows each way, the most one
+  device could receive) and **ragged** (``jax.lax.ragged_all_to_all``, only the pairs)
+  on GPUs and TPUs; a per-device capacity (``capacity_group="device"``) bounds every
+  buffer to ``ceil(c T_d k / E)`` rows per expert.
 
-The results equal the one-device layer's: routing, capacity and statistics are decided
-over the tokens of the call in their order (under the axis, counts from earlier devices
-are gathered first).
+The results equal the one-device layer's: routing, a ``"call"`` capacity and the
+statistics are decided over the tokens of the call in their order (under the axes,
+counts from earlier devices are gathered first). A ``"device"`` capacity is decided over
+each device's tokens (GShard's groups): what it drops depends on the layout.
 
 Statistics (returned, for the step to add or log): the Switch Transformer's
 load-balancing loss ``E * sum_e f_e * p_e`` (``f_e``: the share of the ``T x k`` choices
@@ -45,38 +51,28 @@ from typing import Any, Literal
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType
 from jax.sharding import PartitionSpec as P
 
-from distrain._src.nn.attention import _axis
+from distrain._src.nn.moe_exchange import expert_parallel, mlp
+from distrain._src.nn.moe_routing import (
+    Score,
+    combine,
+    kept,
+    route,
+    routed_pairs,
+    statistics,
+    update_selection_bias,
+)
 
-__all__ = ["moe", "route"]
+__all__ = ["moe", "route", "update_selection_bias"]
 
-Score = Literal["softmax", "sigmoid"]
+CapacityGroup = Literal["call", "device"]
+Exchange = Literal["auto", "padded", "ragged"]
 _EXPERT_WEIGHTS = ("w_in", "w_gate", "w_out")
-
-
-def route(
-    logits: jax.Array, top_k: int, *, score: Score = "softmax", renormalize: bool = True
-) -> tuple[jax.Array, jax.Array, jax.Array]:
-    """Each token's ``top_k`` experts and their weights, from router logits ``[T, E]``.
-
-    Args:
-      logits: ``[T, E]`` router logits (computed in float32 here).
-      top_k: experts per token.
-      score: ``"softmax"`` (Switch, Mixtral) or ``"sigmoid"`` (DeepSeek-V3) scores.
-      renormalize: divide the chosen scores by their sum (Mixtral; DeepSeek-V3 with
-        sigmoid); ``False`` keeps the raw scores (Switch).
-
-    Returns:
-      ``(weights [T, k] float32, experts [T, k] int32, scores [T, E] float32)``: the
-      ``k`` best experts by score, best first.
-    """
-    logits = logits.astype(jnp.float32)
-    scores = jax.nn.softmax(logits, axis=-1) if score == "softmax" else jax.nn.sigmoid(logits)
-    weights, experts = jax.lax.top_k(scores, top_k)
-    if renormalize:
-        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-    return weights, experts.astype(jnp.int32), scores
+# The axes a replica's rows (and a sequence, "context") split over: the layer splits its
+# tokens over those the mesh has, so the tokens per device fall as the mesh grows.
+TOKEN_AXES = ("fsdp", "expert", "context")
 
 
 def moe(
@@ -87,8 +83,10 @@ def moe(
     score: Score = "softmax",
     renormalize: bool = True,
     capacity_factor: float | None = None,
+    capacity_group: CapacityGroup = "call",
     activation: Callable[[jax.Array], jax.Array] = jax.nn.gelu,
     axis: str = "expert",
+    exchange: Exchange = "auto",
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """A mixture-of-experts MLP applied to every token of ``x``.
 
@@ -96,16 +94,25 @@ def moe(
       x: ``[..., D]`` tokens.
       params: ``"router"`` ``[D, E]``; ``"w_in"`` ``[E, D, F]`` and ``"w_out"``
         ``[E, F, D]``; optionally ``"w_gate"`` ``[E, D, F]`` (a gated expert,
-        ``activation(x w_gate) * (x w_in)``, SwiGLU with ``jax.nn.silu``) and
+        ``activation(x w_gate) * (x w_in)``, SwiGLU with ``jax.nn.silu``),
+        ``"selection_bias"`` ``[E]`` (DeepSeek-V3's balancing: added to the scores to
+        choose the experts, not to weigh them; :func:`update_selection_bias`) and
         ``"shared"``, a dense expert every token goes through (DeepSeek): ``{"w_in":
         [D, Fs], "w_out": [Fs, D]}`` with an optional ``"w_gate"`` ``[D, Fs]``.
       top_k: experts per token (1 <= top_k <= E).
       score, renormalize: the router's (see :func:`route`).
       capacity_factor: ``None`` (default): dropless. A number ``c > 0``: each expert
-        takes at most ``ceil(c T k / E)`` choices, the first in token order; the rest
-        are dropped (they add nothing; the residual carries the token).
+        takes at most ``ceil(c n k / E)`` choices of a group of ``n`` tokens, the first
+        in token order; the rest are dropped (they add nothing; the residual carries
+        the token).
+      capacity_group: the group a capacity counts over: ``"call"`` (default: all the
+        call's tokens, whatever the layout) or ``"device"`` (each device's tokens on the
+        expert axes, GShard's groups: every exchange buffer is bounded by
+        ``ceil(c T_d k / E)`` rows per expert; without an expert axis, the call).
       activation: the experts' nonlinearity.
       axis: the mesh axis the experts split over.
+      exchange: ``"auto"`` (ragged on GPUs and TPUs, else padded), ``"padded"`` or
+        ``"ragged"`` (on CPU its wiring runs over a padded emulation of the collective).
 
     Returns:
       ``(y, stats)``: ``y`` of ``x``'s shape and dtype; ``stats`` float32
@@ -114,61 +121,112 @@ def moe(
 
     Raises:
       ValueError: ``top_k`` outside ``[1, E]``, a capacity factor <= 0, an unknown
-        score, weights whose shapes disagree, or experts (or tokens) that the
-        ``"expert"`` axis does not divide; each message names the fix.
+        score, capacity group or exchange, weights whose shapes disagree, or experts
+        (or tokens) that the ``"expert"`` axis does not divide; each message names
+        the fix.
     """
     experts = _check(x, params, top_k, score, capacity_factor)
+    _check_choice("capacity_group", capacity_group, ("call", "device"))
+    _check_choice("exchange", exchange, ("auto", "padded", "ragged"))
     d = x.shape[-1]
     x2 = x.reshape(-1, d)
-    tokens = x2.shape[0]
-    capacity = (
-        None if capacity_factor is None else math.ceil(capacity_factor * tokens * top_k / experts)
-    )
-    size, manual = _axis(axis)
     weights = {k: params[k] for k in _EXPERT_WEIGHTS if k in params}
+    bias = params.get("selection_bias")
     route_kw = {"top_k": top_k, "score": score, "renormalize": renormalize}
-    if size == 1:
-        y, stats = _local(x2, params["router"], weights, route_kw, capacity, activation)
+    mesh = jax.sharding.get_abstract_mesh()
+    sizes = {} if mesh.empty else dict(mesh.shape)
+    if sizes.get(axis, 1) == 1:
+        capacity = _capacity(capacity_factor, x2.shape[0], top_k, experts)
+        y, stats = _local(x2, params["router"], weights, bias, route_kw, capacity, activation)
     else:
-        if experts % size or (not manual and tokens % size):
-            raise ValueError(
-                f"moe: the {axis!r} axis has {size} devices; they must divide the experts "
-                f"({experts}) and the tokens ({tokens}). Use a multiple of {size} experts "
-                f"(and a batch whose tokens it divides), or another {axis!r} size."
-            )
-
-        def body(x_l: jax.Array, router: jax.Array, w: dict[str, jax.Array]) -> Any:
-            return _split(x_l, router, w, route_kw, capacity, activation, axis, size)
-
-        if manual:
-            y, stats = body(x2, params["router"], weights)
-        else:
-            y, stats = jax.shard_map(
-                body,
-                mesh=jax.sharding.get_abstract_mesh(),
-                in_specs=(P(axis), P(), {k: P(axis) for k in weights}),
-                out_specs=(P(axis), P()),
-                axis_names={axis},
-                check_vma=False,
-            )(x2, params["router"], weights)
+        y, stats = _over_axes(
+            x2, params["router"], weights, bias, route_kw, mesh, axis, experts,
+            {"factor": capacity_factor, "group": capacity_group, "act": activation,
+             "exchange": exchange},
+        )  # fmt: skip
     if "shared" in params:
         y = y + _dense(x2, params["shared"], activation)
     return y.reshape(x.shape), stats
 
 
-# ----------------------------------------------------------------------------- kernels
+def _capacity(factor: float | None, tokens: int, k: int, experts: int) -> int | None:
+    return None if factor is None else math.ceil(factor * tokens * k / experts)
 
 
-def _mlp(xs: jax.Array, sizes: jax.Array, w: dict[str, jax.Array], act: Callable) -> jax.Array:
-    """The experts' MLP over rows ``xs`` sorted by expert (``sizes`` rows each; rows past
-    their sum come out zero)."""
-    dt = xs.dtype
-    h = jax.lax.ragged_dot(xs, w["w_in"].astype(dt), sizes)
-    if "w_gate" in w:
-        h = act(jax.lax.ragged_dot(xs, w["w_gate"].astype(dt), sizes)) * h
-    else:
-        h = act(h)
-    return jax.lax.ragged_dot(h.astype(dt), w["w_out"].astype(dt), sizes)
+def token_axes(mesh: Any, axis: str, tokens: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """``(axes, auto)``: the axes the layer splits ``tokens`` over, in the call's token
+    order (the ones already manual first, ``"context"`` last: a sequence splits inside
+    the rows), and those of them it makes manual. An axis whose split the tokens do not
+    divide is left out (the expert axis aside: its size must divide them)."""
+    shape = dict(mesh.shape)
+    manual = {
+        a for a, t in zip(mesh.axis_names, mesh.axis_types, strict=True) if t == AxisType.Manual
+    }
+    order = [a for a in mesh.axis_names if (a in TOKEN_AXES or a == axis) and shape[a] > 1]
+    order.sort(key=lambda a: (a not in manual, a == "context"))
+    auto: list[str] = []
+    for a in order:
+        if a in manual:
+            continue
+        if a == axis or tokens % (shape[a] * math.prod(shape[b] for b in auto)) == 0:
+            auto.append(a)
+    axes = tuple(a for a in order if a in manual or a in auto)
+    return axes, tuple(auto)
+
+
+def _over_axes(
+    x: jax.Array,
+    router: jax.Array,
+    w: dict[str, jax.Array],
+    bias: jax.Array | None,
+    route_kw: dict[str, Any],
+    mesh: Any,
+    axis: str,
+    experts: int,
+    opts: dict[str, Any],
+) -> tuple[jax.Array, dict[str, jax.Array]]:
+    """The layer under a ``shard_map`` manual over the token axes (``moe_exchange``)."""
+    tokens = x.shape[0]
+    sizes = dict(mesh.shape)
+    size = sizes[axis]
+    axes, auto = token_axes(mesh, axis, tokens)
+    split = math.prod(sizes[a] for a in auto)
+    if experts % size or tokens % split:
+        raise ValueError(
+            f"moe: the {axis!r} axis has {size} devices; they must divide the experts "
+            f"({experts}) and the tokens ({tokens}). Use a multiple of {size} experts "
+            f"(and a batch whose tokens it divides), or another {axis!r} size."
+        )
+    group = opts["group"]
+    per_device = tokens // split
+    capacity = _capacity(
+        opts["factor"], per_device if group == "device" else tokens * _manual(sizes, axes, auto),
+        route_kw["top_k"], experts,
+    )  # fmt: skip
+    body_opts = {
+        "route_kw": route_kw, "capacity": capacity, "group": group, "act": opts["act"],
+        "exchange": opts["exchange"], "sizes": sizes,
+    }  # fmt: skip
+
+    def body(x_l: jax.Array, r: jax.Array, w_l: dict[str, jax.Array], b: Any) -> Any:
+        return expert_parallel(x_l, r, w_l, b, body_opts, axis, axes)
+
+    if not auto:
+        return body(x, router, w, bias)
+    weight_spec = P(axis) if axis in auto else P()
+    return jax.shard_map(
+        body,
+        mesh=mesh,
+        in_specs=(P(auto), P(), {k: weight_spec for k in w}, P()),
+        out_specs=(P(auto), P()),
+        axis_names=set(auto),
+        check_vma=False,
+    )(x, router, w, bias)
+
+
+def _manual(sizes: dict[str, int], axes: tuple[str, ...], auto: tuple[str, ...]) -> int:
+    """How many devices of the already-manual token axes the call's tokens span."""
+    return math.prod(sizes[a] for a in axes if a not in auto)
 
 
 def _dense(x: jax.Array, w: dict[str, jax.Array], act: Callable) -> jax.Array:
@@ -178,113 +236,27 @@ def _dense(x: jax.Array, w: dict[str, jax.Array], act: Callable) -> jax.Array:
     return h.astype(dt) @ w["w_out"].astype(dt)
 
 
-def _kept(sorted_e: jax.Array, sizes: jax.Array, before: Any, capacity: int | None) -> jax.Array:
-    """Which choices (sorted by expert, token order within one) an expert takes:
-    its first ``capacity`` over the call's tokens (``before``: its choices on earlier
-    devices)."""
-    if capacity is None:
-        return jnp.ones(sorted_e.shape, bool)
-    starts = jnp.cumsum(sizes) - sizes
-    rank = jnp.arange(sorted_e.shape[0]) - starts[sorted_e] + before[sorted_e]
-    return rank < capacity
-
-
-def _stats(
-    counts: jax.Array,
-    score_sums: jax.Array,
-    z_sum: jax.Array,
-    dropped: jax.Array,
-    tokens: int,
-    k: int,
-) -> dict[str, jax.Array]:
-    load = counts.astype(jnp.float32) / (tokens * k)
-    mean_score = score_sums / tokens
-    return {
-        "load_balancing_loss": counts.shape[0] * jnp.sum(load * mean_score),
-        "router_z_loss": z_sum / tokens,
-        "dropped_fraction": dropped.astype(jnp.float32) / (tokens * k),
-        "expert_load": load,
-    }
-
-
-def _routed(x: jax.Array, router: jax.Array, route_kw: dict[str, Any]) -> Any:
-    """The call's (token, choice) pairs sorted by expert (token order within one):
-    ``(experts, weights, tokens)`` of the sorted pairs, ``sizes`` [E] (pairs per expert),
-    the scores ``[T, E]`` and the sum of squared router log-normalisers (the z-loss's)."""
-    logits = x.astype(jnp.float32) @ router.astype(jnp.float32)
-    weights, chosen, scores = route(logits, **route_kw)
-    z = jnp.sum(jax.nn.logsumexp(logits, axis=-1) ** 2)
-    flat_e = chosen.reshape(-1)
-    order = jnp.argsort(flat_e, stable=True)
-    sizes = jnp.bincount(flat_e, length=router.shape[-1]).astype(jnp.int32)
-    tokens = order // route_kw["top_k"]
-    return flat_e[order], weights.reshape(-1)[order], tokens, sizes, scores, z
-
-
-def _combine(x: jax.Array, ys: jax.Array, weights: jax.Array, tokens: jax.Array) -> jax.Array:
-    """Each token's output: its pairs' expert outputs ``ys`` weighted and summed."""
-    return jnp.zeros_like(x).at[tokens].add(ys * weights.astype(ys.dtype)[:, None])
-
-
 def _local(
     x: jax.Array,
     router: jax.Array,
     w: dict[str, jax.Array],
+    bias: jax.Array | None,
     route_kw: dict[str, Any],
     capacity: int | None,
     act: Callable,
 ) -> tuple[jax.Array, dict[str, jax.Array]]:
     """Every expert here: sort, one ragged_dot per weight, unsort."""
-    experts, weights, tokens, sizes, scores, z = _routed(x, router, route_kw)
-    keep = _kept(experts, sizes, jnp.zeros_like(sizes), capacity)
-    y = _combine(x, _mlp(x[tokens], sizes, w, act), weights * keep, tokens)
-    stats = _stats(sizes, jnp.sum(scores, 0), z, jnp.sum(~keep), x.shape[0], route_kw["top_k"])
+    experts, weights, tokens, sizes, scores, z = routed_pairs(x, router, bias, route_kw)
+    keep = kept(experts, sizes, jnp.zeros_like(sizes), capacity)
+    y = combine(x, mlp(x[tokens], sizes, w, act), weights * keep, tokens)
+    k = route_kw["top_k"]
+    stats = statistics(sizes, jnp.sum(scores, 0), z, jnp.sum(~keep), x.shape[0], k)
     return y, stats
 
 
-def _split(
-    x: jax.Array,
-    router: jax.Array,
-    w: dict[str, jax.Array],
-    route_kw: dict[str, Any],
-    capacity: int | None,
-    act: Callable,
-    axis: str,
-    devices: int,
-) -> tuple[jax.Array, dict[str, jax.Array]]:
-    """One device's part under the ``axis`` shard_map: its tokens ``x`` [T / X, D], its
-    experts ``w`` [E / X, ...]; tokens go to their experts' devices and back."""
-    local_e = router.shape[-1] // devices
-    experts, weights, tokens, sizes, scores, z = _routed(x, router, route_kw)
-    n = experts.shape[0]  # T / X * k pairs
-    every = jax.lax.all_gather(sizes, axis)  # [X, E]: earlier devices' pairs first
-    before = jnp.cumsum(every, 0)[jax.lax.axis_index(axis)] - sizes
-    keep = _kept(experts, sizes, before, capacity)
-    # Where each pair goes: device `dest`, slot `slot` of its block.
-    dest = experts // local_e
-    per_dest = sizes.reshape(devices, local_e).sum(1)
-    slot = jnp.arange(n) - (jnp.cumsum(per_dest) - per_dest)[dest]
-    send = jnp.zeros((devices, n, x.shape[-1]), x.dtype).at[dest, slot].set(x[tokens])
-    ids = jnp.full((devices, n), local_e, jnp.int32).at[dest, slot].set(experts % local_e)
-    got = jax.lax.all_to_all(send, axis, 0, 0, tiled=True).reshape(devices * n, -1)
-    got_ids = jax.lax.all_to_all(ids, axis, 0, 0, tiled=True).reshape(-1)
-    # Here: group what arrived by local expert (padding, id local_e, last: zeros).
-    by_expert = jnp.argsort(got_ids, stable=True)
-    here = jnp.bincount(got_ids, length=local_e + 1)[:local_e].astype(jnp.int32)
-    out = _mlp(got[by_expert], here, w, act)
-    out = jnp.zeros_like(out).at[by_expert].set(out).reshape(devices, n, -1)
-    back = jax.lax.all_to_all(out, axis, 0, 0, tiled=True)  # block d: what d computed
-    y = _combine(x, back[dest, slot], weights * keep, tokens)
-    total = lambda v: jax.lax.psum(v, axis)  # noqa: E731
-    stats = _stats(
-        total(sizes),
-        total(jnp.sum(scores, 0)),
-        total(z),
-        total(jnp.sum(~keep)),
-        x.shape[0] * devices,
-        route_kw["top_k"],
-    )
-    return y, stats
+def _check_choice(name: str, value: Any, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"moe: {name} must be one of {list(choices)}. Received: {value!r}.")
 
 
 def _check(x: jax.Array, params: Any, top_k: Any, score: Any, capacity_factor: Any) -> int:
@@ -321,6 +293,12 @@ def _check(x: jax.Array, params: Any, top_k: Any, score: Any, capacity_factor: A
         raise ValueError(
             "moe: capacity_factor must be a number > 0 (1.0: each expert takes its even "
             f"share of the choices), or None for dropless routing. Received: {capacity_factor!r}."
+        )
+    bias = params.get("selection_bias")
+    if bias is not None and tuple(bias.shape) != (e,):
+        raise ValueError(
+            f"moe: params['selection_bias'] must be [E] = [{e}] (one per expert). "
+            f"Received shape {tuple(bias.shape)}."
         )
     shared = params.get("shared")
     if shared is not None:

@@ -95,6 +95,7 @@ def problems_and_advice(plan: dict[str, Any], cfg: Any) -> tuple[list[str], list
                 t
                 for t in (2, 4, 8)
                 if "tensor" not in inner
+                and _tensor_rules(cfg) is not None
                 and row_axes[fsdp_axis] % t == 0
                 and per_replica % (k // t) == 0
             ),
@@ -134,9 +135,14 @@ def problems_and_advice(plan: dict[str, Any], cfg: Any) -> tuple[list[str], list
     return problems, advice
 
 
-def _tensor_rules(cfg: Any) -> str:
+def _tensor_rules(cfg: Any) -> str | None:
     """The layout rules to name for a tensor axis: the model module's own
-    ``TENSOR_PARALLEL_LAYOUT`` where it has one (the LM example's), else a pointer."""
+    ``TENSOR_PARALLEL_LAYOUT`` where it has one (the LM example's), else a pointer;
+    ``None`` when the config has layout rules of its own (an experts' layout): naming
+    other rules would replace them, a change that does not plan."""
+    strategy = getattr(cfg, "strategy", None)
+    if getattr(strategy, "layout", None) is not None:
+        return None
     module = str(cfg.model.fn).partition(":")[0]
     if hasattr(sys.modules.get(module), "TENSOR_PARALLEL_LAYOUT"):
         return f"strategy.layout={module}:TENSOR_PARALLEL_LAYOUT"
@@ -184,15 +190,40 @@ def _to_fit(plan: dict[str, Any], cfg: Any, k: int) -> list[str]:
             "(XLA:CPU's estimate may not show the saving a GPU's memory-aware scheduler "
             "makes, docs/lm.md)."
         )
-    if batch["splits"] and batch["rows_per_device"] == 1 and "tensor" not in inner and inner:
+    out.extend(_expert_capacity(cfg, inner))
+    rules = _tensor_rules(cfg)
+    if (
+        batch["splits"]
+        and batch["rows_per_device"] == 1
+        and "tensor" not in inner
+        and inner
+        and rules is not None
+    ):
         t = 8 if plan["devices"] >= 64 else 2
         axes = {"fsdp" if a == "model" else a: n for a, n in inner.items()}
         axes["tensor"] = t
         out.append(
             f"one row per device is the fewest the batch gives: to split each row, a tensor "
             f"axis on {t} times the devices, --devices {plan['devices'] * t} "
-            f"'strategy.devices_per_replica={flow(axes)}' with {_tensor_rules(cfg)} (the "
+            f"'strategy.devices_per_replica={flow(axes)}' with {rules} (the "
             "same rows per batch device; each layer's heads and MLP columns split "
             f"{t} ways). On the same devices a tensor axis puts more rows on each."
         )
     return out
+
+
+def _expert_capacity(cfg: Any, inner: dict[str, int]) -> list[str]:
+    """For a mixture of experts on an ``"expert"`` axis without a per-device capacity:
+    the capacity that bounds its exchange buffers (``dt.nn.moe``'s ``capacity_group``)."""
+    kwargs = cfg.model.kwargs if isinstance(cfg.model.kwargs, dict) else {}
+    if not kwargs.get("moe_experts") or inner.get("expert", 1) == 1:
+        return []
+    if kwargs.get("moe_capacity_group", "call") == "device" and kwargs.get("moe_capacity_factor"):
+        return []
+    factor = kwargs.get("moe_capacity_factor") or 1.25
+    return [
+        f"model.kwargs.moe_capacity_factor={factor} model.kwargs.moe_capacity_group=device: "
+        f"each expert takes at most {factor}x its even share of each device's choices, so "
+        "the exchange's buffers hold that many rows instead of 'expert' times every choice "
+        "(the rest are dropped: training logs the share as moe_dropped)."
+    ]
