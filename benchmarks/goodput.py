@@ -7,12 +7,17 @@ ledger back (``dt.goodput.report``): the buckets, goodput, the steps lost per fa
 the share of wall time the loop was blocked in saves, the restores' tiers and
 seconds, and how the ledger's wall time compares with the one measured here.
 
-Two arms, one after the other, each its own job with the same kills:
+Three arms, one after the other, each its own job:
   * ``local``: ``BackupAndRestore`` with a local tier (``checkpoint.local_dir`` in the
     run's directory, a backup every ``--local-freq`` steps) and a persistent backup
     every ``--persistent-freq`` steps;
-  * ``persistent``: persistent backups only, every ``--backup-freq`` steps.
-Both use JAX's persistent compilation cache (``--no-compile-cache`` to turn it off),
+  * ``persistent``: persistent backups only, every ``--backup-freq`` steps;
+  * ``hang``: the local arm's job, where one worker is SIGSTOPped once instead of
+    killed: ``distrain launch --hang-timeout`` must find it (``hang_timeout_s``,
+    ``hang_detected_after_s``: from the SIGSTOP to the detection).
+Each arm's ``kill_to_first_step_s`` lists, per failure, the seconds from the signal to
+the first step the next attempt finished (the chief's ledger).
+All use JAX's persistent compilation cache (``--no-compile-cache`` to turn it off),
 shared by the attempts of an arm.
 
 Usage:
@@ -55,9 +60,10 @@ def _workers(launcher_pid: int) -> list[int]:
     return [c.pid for c in children if "train" in " ".join(c.cmdline())]
 
 
-def _run_arm(args: argparse.Namespace, overrides: list[str], local: bool) -> dict:
-    """One job under the kills; its ledger's figures."""
+def _run_arm(args: argparse.Namespace, overrides: list[str], arm: str) -> dict:
+    """One job under the kills (``arm`` "local", "persistent" or "hang"); its figures."""
     work = Path(tempfile.mkdtemp(prefix="goodput-"))
+    local, hang = arm in ("local", "hang"), arm == "hang"
     if local:
         tier = [
             f"checkpoint.backup_freq={args.persistent_freq}",
@@ -73,6 +79,8 @@ def _run_arm(args: argparse.Namespace, overrides: list[str], local: bool) -> dic
         str(args.nproc),
         "--max-restarts",
         str(args.max_kills + 1),
+        "--hang-timeout",
+        f"{args.hang_timeout:g}",
         "--",
         "distrain",
         "train",
@@ -124,14 +132,14 @@ def _run_arm(args: argparse.Namespace, overrides: list[str], local: bool) -> dic
         # start and past its first backup (a kill during start-up teaches nothing new).
         killed: set[str] = set()
         since = time.time()
-        while proc.poll() is None and len(kills) < args.max_kills:
+        while proc.poll() is None and len(kills) < (1 if hang else args.max_kills):
             time.sleep(0.2)
             attempt = trained_past(first_save + 10, killed)
             if attempt is None or time.time() - since < args.kill_every:
                 continue
             pids = _workers(proc.pid)
             if proc.poll() is None and pids:
-                os.kill(pids[-1], signal.SIGKILL)
+                os.kill(pids[-1], signal.SIGSTOP if hang else signal.SIGKILL)
                 kills.append(time.time() - began)
                 killed.add(attempt)
                 since = time.time()
@@ -156,8 +164,22 @@ def _run_arm(args: argparse.Namespace, overrides: list[str], local: bool) -> dic
     for a in r.attempts:
         if a.restore is not None:
             restores.setdefault(a.restore[0], []).append(round(a.restore[1], 3))
+    signals = [began + k for k in kills]
+    detected = [a.after_hang["detected"] for a in r.attempts if a.after_hang]
     return {
         "tier": "local" if local else "persistent",
+        "signal": "SIGSTOP" if hang else "SIGKILL",
+        "kill_to_first_step_s": _to_first_step(r.attempts, signals),
+        **(
+            {
+                "hang_timeout_s": args.hang_timeout,
+                "hang_detected_after_s": [
+                    round(d - t, 2) for d, t in zip(detected, signals, strict=False)
+                ],
+            }
+            if hang
+            else {}
+        ),
         "restart_breakdown_s": _breakdown(r.attempts[1:]),
         "kills_at_s": [round(k, 1) for k in kills],
         "wall_s": r.wall_s,
@@ -184,8 +206,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-freq", type=int, default=10, help="local arm: local backup every N")
     p.add_argument("--persistent-freq", type=int, default=500, help="local arm: persistent every N")
     p.add_argument("--backup-freq", type=int, default=50, help="persistent arm: backup every N")
-    p.add_argument("--arms", default="local,persistent", help="which arms, comma-separated")
+    p.add_argument("--arms", default="local,persistent,hang", help="which arms, comma-separated")
     p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false")
+    p.add_argument(
+        "--hang-timeout", type=float, default=30.0, help="distrain launch --hang-timeout (s)"
+    )
     p.add_argument("--toy", action="store_true", help="the quickstart, one kill (smoke run)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "goodput.json"))
     args = p.parse_args(argv)
@@ -193,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.toy:
         args.config, args.kill_every, args.max_kills = "configs/quickstart.yaml", 0.0, 1
         overrides = ["train.epochs=30", "train.validation_freq=100"]
-    arms = {name: _run_arm(args, overrides, name == "local") for name in args.arms.split(",")}
+    arms = {name: _run_arm(args, overrides, name) for name in args.arms.split(",")}
     exchange = {} if args.toy else local_exchange.measure()  # the toy run stays short
     main_arm = arms.get("local") or next(iter(arms.values()))
     figures: dict = {
@@ -213,6 +238,7 @@ def main(argv: list[str] | None = None) -> int:
         "restore_persistent_s": _mean(
             [s for arm in arms.values() for s in arm["restore_s_by_tier"].get("persistent", [])]
         ),
+        **{k: v for k, v in arms.get("hang", {}).items() if k.startswith("hang_")},
         "arms": {
             name: {k: v for k, v in arm.items() if k not in ("report", "attempts")}
             for name, arm in arms.items()
@@ -257,6 +283,24 @@ def _breakdown(attempts: list) -> dict[str, float | None]:
         parts.setdefault("compile", []).append(a.buckets["compile"])
         parts.setdefault("startup_total", []).append(a.buckets["startup"])
     return {k: _mean(v) for k, v in parts.items()}
+
+
+def _to_first_step(attempts: list, signals: list[float]) -> list[float | None]:
+    """Per signal: seconds to the first step finished by the next attempt (the first of
+    its records past the step it resumed from)."""
+    out: list[float | None] = []
+    for t in signals:
+        nxt = next((a for a in attempts if a.start > t), None)
+        resumed = (nxt.resumed_from or 0) if nxt else 0
+        first = (
+            None
+            if nxt is None
+            else next(
+                (rt for rt, step, _ in nxt.records if step is not None and step > resumed), None
+            )
+        )
+        out.append(None if first is None else round(first - t, 2))
+    return out
 
 
 def _mean(xs: list[float]) -> float | None:
