@@ -123,6 +123,11 @@ def _parser() -> argparse.ArgumentParser:
         add_help=False,
     )
     sub.add_parser(
+        "lm-eval",
+        help="lm-evaluation-harness on a run's checkpoint or a Hugging Face directory",
+        add_help=False,
+    )
+    sub.add_parser(
         "plan",
         help="will a config's step fit on N devices? (abstract shapes, nothing allocated)",
         add_help=False,
@@ -235,6 +240,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from distrain._src.models.export_command import main as export_main
 
         return run_reporting_errors("export", lambda: export_main(argv[1:]))
+    if argv and argv[0] == "lm-eval":
+        from distrain._src.models.lm_eval_command import main as lm_eval_main
+
+        return run_reporting_errors("lm-eval", lambda: lm_eval_main(argv[1:]))
     if argv and argv[0] == "plan":
         from distrain._src.train.plan import main as plan_main
 

@@ -16,6 +16,10 @@ Example:
   >>> dt.models.save_pretrained("exported", state, model)
 """
 
+from typing import TYPE_CHECKING
+
+from distrain._src import lazy as _lazy
+
 # Importing a family's module registers it (import and export find families by name).
 from distrain._src.models import gpt2 as _gpt2  # noqa: F401
 from distrain._src.models import llama_family as _llama_family  # noqa: F401
@@ -54,6 +58,18 @@ from distrain._src.models.transformer import make_apply_fn as make_apply_fn
 from distrain._src.models.transformer import pipeline_layout as pipeline_layout
 from distrain._src.models.transformer import transformer as transformer
 
+# lm-evaluation-harness (the lm-eval extra) loads on first use of these names
+# (distrain/_src/lazy.py); type checkers read them from the block below.
+_LAZY = {
+    "LMEvalCallback": "distrain._src.models.lm_eval_callback:LMEvalCallback",
+    "LMEvalModel": "distrain._src.models.lm_eval:LMEvalModel",
+}
+if TYPE_CHECKING:
+    from distrain._src.models.lm_eval import LMEvalModel as LMEvalModel
+    from distrain._src.models.lm_eval_callback import LMEvalCallback as LMEvalCallback
+else:
+    __getattr__, __dir__ = _lazy.exports(globals(), _LAZY)
+
 __all__ = [
     "EXPERT_LAYOUT",
     "LOGICAL_AXIS_RULES",
@@ -62,6 +78,8 @@ __all__ = [
     "Family",
     "Generation",
     "LMConfig",
+    "LMEvalCallback",
+    "LMEvalModel",
     "Llama",
     "LlamaConfig",
     "LoraConfig",
