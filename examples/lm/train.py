@@ -140,54 +140,37 @@ def eval_step(
 
 
 def generate(
-    apply_fn: ApplyFn,
+    model: LMConfig,
     params: Any,
     prompt: bytes,
     *,
     num_bytes: int,
-    seq_len: int,
     temperature: float = 0.0,
     key: jax.Array | None = None,
 ) -> bytes:
-    """``prompt`` continued by ``num_bytes`` sampled bytes (``temperature=0``: greedy).
-
-    Runs the whole ``seq_len`` window once per new byte (no KV cache: simple, and the
-    causal mask makes the unused positions harmless). Stops at a document separator.
+    """``prompt`` continued by ``num_bytes`` sampled bytes (``temperature=0``: greedy),
+    through ``dt.models.generate``: the prompt once, then one byte per step from a KV
+    cache, in one compiled loop. Stops at a document separator (byte 0).
 
     Raises:
       ValueError: an empty prompt, or prompt + ``num_bytes`` longer than ``seq_len``.
     """
-    if not prompt or len(prompt) + num_bytes > seq_len:
+    if not prompt or len(prompt) + num_bytes > model.seq_len:
         raise ValueError(
-            f"generate needs 1 <= len(prompt) and len(prompt) + num_bytes <= seq_len ({seq_len}). "
-            f"Received: len(prompt)={len(prompt)}, num_bytes={num_bytes}."
+            f"generate needs 1 <= len(prompt) and len(prompt) + num_bytes <= seq_len "
+            f"({model.seq_len}). Received: len(prompt)={len(prompt)}, num_bytes={num_bytes}."
         )
-    key = jax.random.key(0) if key is None else key
-    buf = (
-        jnp.zeros((1, seq_len), jnp.int32)
-        .at[0, : len(prompt)]
-        .set(jnp.frombuffer(prompt, jnp.uint8))
+    out = dt.models.generate(
+        model,
+        params,
+        [list(prompt)],
+        num_bytes,
+        temperature=temperature,
+        rng=jax.random.key(0) if key is None else key,
+        stop_tokens=(0,),
     )
-
-    @jax.jit
-    def run(params: Any, buf: jax.Array, key: jax.Array) -> jax.Array:
-        def body(i: jax.Array, carry: tuple[jax.Array, jax.Array]) -> tuple[jax.Array, jax.Array]:
-            buf, key = carry
-            pos = len(prompt) + i
-            logits = apply_fn(params, buf)[0, pos - 1]
-            key, sub = jax.random.split(key)
-            if temperature > 0:
-                nxt = jax.random.categorical(sub, logits / temperature)
-            else:
-                nxt = jnp.argmax(logits)
-            return buf.at[0, pos].set(nxt.astype(jnp.int32)), key
-
-        return jax.lax.fori_loop(0, num_bytes, body, (buf, key))[0]
-
-    out = np.asarray(run(params, buf, key))[0, : len(prompt) + num_bytes].astype(np.uint8)
-    text = out.tobytes()
-    end = text.find(b"\x00", len(prompt))
-    return text if end < 0 else text[:end]
+    new = np.asarray(out.tokens)[0, : int(out.lengths[0])].astype(np.uint8).tobytes()
+    return prompt + new.split(b"\x00")[0]
 
 
 # ---------------------------------------------------------------- the run
@@ -437,11 +420,10 @@ def train_and_evaluate(
     params = jax.device_get(state.params)  # one host copy; sampling runs on one device
     samples = {
         p: generate(
-            apply_fn,
+            cfg,
             params,
             p.encode(),
             num_bytes=s.sample_bytes,
-            seq_len=cfg.seq_len,
             temperature=s.temperature,
             key=jax.random.key(s.seed),
         ).decode("utf-8", errors="replace")
