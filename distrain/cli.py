@@ -37,7 +37,9 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
-from typing import Any
+
+from distrain._src.command_errors import error as _error
+from distrain._src.command_errors import run_reporting_errors
 
 _TRAIN_EPILOG = """\
 overrides:
@@ -139,17 +141,6 @@ def _debug_wanted(args: argparse.Namespace) -> bool:
     return bool(args.debug) or os.environ.get("DISTRAIN_DEBUG", "").strip() not in ("", "0")
 
 
-def _error(message: str, command: str = "train") -> None:
-    # One line, whatever the exception's message looks like: logs and launchers that
-    # prefix each line with the process stay readable.
-    print(f"distrain {command}: error: {' '.join(message.split())}", file=sys.stderr)
-
-
-# Errors raised by checks of what the user passed (values, types, files, the network):
-# exit 2 like argparse's usage errors. Anything else is unexpected: exit 1.
-_USER_ERRORS = (ValueError, TypeError, OSError, ImportError)
-
-
 def _train(args: argparse.Namespace) -> int:
     from distrain._src import verbosity
     from distrain._src.cluster.base import is_evaluator_task
@@ -197,32 +188,6 @@ def _importable_from_cwd() -> None:
     # `python -m`: a console script's sys.path starts at its own bin/ directory.
     if os.getcwd() not in sys.path and "" not in sys.path:
         sys.path.insert(0, os.getcwd())
-
-
-def run_reporting_errors(command: str, fn: Any, debug: bool | None = None) -> int:
-    """``fn()``'s exit status, or a one-line ``distrain COMMAND: error: ...`` and 2 (a
-    user's error) or 1 (anything else); the traceback with ``--debug``/DISTRAIN_DEBUG."""
-    from distrain._src.train.config_errors import ConfigError
-
-    if debug is None:
-        debug = os.environ.get("DISTRAIN_DEBUG", "").strip() not in ("", "0")
-    try:
-        return int(fn() or 0)
-    except KeyboardInterrupt as e:
-        if debug:
-            raise
-        # Ctrl-C is the user's choice, not an error to trace: say what is kept.
-        print(f"distrain {command}: {str(e) or 'interrupted'}", file=sys.stderr)
-        return 130
-    except Exception as e:
-        if debug:
-            raise
-        hint = " (run with --debug or DISTRAIN_DEBUG=1 for the traceback)"
-        if isinstance(e, ConfigError):
-            _error(str(e), command)
-            return 2
-        _error(f"{type(e).__name__}: {e}{hint}", command)
-        return 2 if isinstance(e, _USER_ERRORS) else 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:

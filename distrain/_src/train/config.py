@@ -51,6 +51,7 @@ __all__ = [
 ]
 
 _IMPORT_PATH = "an import path 'package.module:function'"
+PRETRAINED_FN = "distrain.models:from_pretrained"
 
 
 class _Section(pydantic.BaseModel):
@@ -206,19 +207,49 @@ class StrategyConfig(_Section):
         }
 
 
+class LoraSection(_Section):
+    """``model.lora``: ``dt.models.LoraConfig`` (``targets`` null: its default)."""
+
+    rank: pydantic.PositiveInt
+    alpha: float = Field(gt=0, allow_inf_nan=False)
+    dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
+    targets: str | None = None
+
+
 class ModelConfig(_Section):
-    """The model: ``fn(key=jax.random.key(seed), **kwargs)``.
+    """The model: ``fn(key=jax.random.key(seed), **kwargs)``, or a Hugging Face directory.
 
     ``fn`` returns a ``flax.nnx.Module`` (its parameters become ``state.params`` and the
     step functions get ``apply_fn(params, x)``) or a tuple ``(apply_fn, params)``.
 
     Attributes:
-      fn: import path ``package.module:function`` (required).
+      fn: import path ``package.module:function`` (required without ``pretrained``).
       kwargs: keyword arguments for ``fn``.
+      pretrained, lora: a Hugging Face directory (``fn`` is then absent, ``kwargs``
+        ``dt.models.from_pretrained``'s) and adapters for it (train/pretrained.py).
     """
 
     fn: str = Field(description=_IMPORT_PATH)
     kwargs: dict[str, Any] = {}
+    pretrained: str | None = None
+    lora: LoraSection | None = None
+
+    @pydantic.model_validator(mode="before")
+    @classmethod
+    def _pretrained_or_fn(cls, data: Any) -> Any:
+        if not isinstance(data, dict) or data.get("pretrained") is None:
+            if isinstance(data, dict) and data.get("lora") is not None:
+                raise ConfigError(
+                    "Config field 'model.lora' adapts a pretrained model: set model.pretrained "
+                    "(its Hugging Face directory) or remove model.lora."
+                )
+            return data
+        if data.get("fn", PRETRAINED_FN) != PRETRAINED_FN:
+            raise ConfigError(
+                f"Config fields 'model.fn' ({data['fn']!r}) and 'model.pretrained' both name "
+                "the model: remove model.fn (it is dt.models.from_pretrained) or model.pretrained."
+            )
+        return {"fn": PRETRAINED_FN, **data}
 
 
 class LeafShape(_Section):
@@ -303,6 +334,8 @@ class OptimizerConfig(_Section):
       weight_decay_mask: which parameters decay (optax's ``mask=``): ``"ndim >= 2"``
         (weight matrices and embeddings; not biases or norm scales, as GPT recipes do)
         or ``None`` (optax's default: all). Only for optimizers with weight decay.
+      trainable: a regex of the parameter paths that train (``TrainState.create(
+        trainable=)``); ``None``: the adapters with ``model.lora``, else all.
     """
 
     name: str = "adam"
@@ -312,6 +345,7 @@ class OptimizerConfig(_Section):
     schedule: ScheduleConfig | None = None
     clip_global_norm: float | None = Field(default=None, gt=0, allow_inf_nan=False)
     weight_decay_mask: Literal["ndim >= 2"] | None = None
+    trainable: str | None = None
 
     @pydantic.model_validator(mode="after")
     def _one_learning_rate(self) -> OptimizerConfig:

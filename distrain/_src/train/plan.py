@@ -149,33 +149,28 @@ def abstract_state(cfg: Any) -> SimpleNamespace:
     """
     import jax
 
+    from distrain._src.train.model_fn import check_call as _check_call
+    from distrain._src.train.model_fn import split_model as _split_model
     from distrain._src.train.optimizer import build_optimizer
-    from distrain._src.train.run import (
-        _check_call,
-        _split_model,
-        build_strategy,
-        resolve_callable,
-    )
-    from distrain._src.train.state import TrainState
+    from distrain._src.train.pretrained import abstract_model, new_state
+    from distrain._src.train.run import build_strategy, resolve_callable
 
     strategy = build_strategy(cfg.strategy)
-    model_fn = resolve_callable(cfg.model.fn, "model.fn")
-    key = jax.random.key(cfg.seed)
-    _check_call(model_fn, "model", cfg.model.fn, key=key, **cfg.model.kwargs)
     found: dict[str, Any] = {}
+    if cfg.model.pretrained is not None:  # config.json and the files' headers: no weights
+        found["apply_fn"], params = abstract_model(cfg)
+    else:
+        model_fn = resolve_callable(cfg.model.fn, "model.fn")
+        key = jax.random.key(cfg.seed)
+        _check_call(model_fn, "model", cfg.model.fn, key=key, **cfg.model.kwargs)
 
-    def init(k: jax.Array) -> Any:
-        found["apply_fn"], params = _split_model(model_fn(key=k, **cfg.model.kwargs))
-        return params
+        def init(k: jax.Array) -> Any:
+            found["apply_fn"], params = _split_model(model_fn(key=k, **cfg.model.kwargs))
+            return params
 
-    params = jax.eval_shape(init, key)
+        params = jax.eval_shape(init, key)
     tx, _ = build_optimizer(cfg.optimizer, run_steps=cfg.train.steps)
-    policy = cfg.train.policy
-    state = jax.eval_shape(
-        lambda p, k: TrainState.create(params=p, tx=tx, rng=k, policy=policy),
-        params,
-        jax.random.PRNGKey(cfg.seed + 1),
-    )
+    state = jax.eval_shape(new_state(cfg, tx), params, jax.random.PRNGKey(cfg.seed + 1))
     placed = strategy.put_replicated(state)  # abstract in, abstract out
     return SimpleNamespace(
         strategy=strategy, state=state, placed=placed, apply_fn=found["apply_fn"]
@@ -198,6 +193,13 @@ def plan_config(cfg: Any, device_memory: int | None = None) -> dict[str, Any]:
         total += math.prod(x.shape) * x.dtype.itemsize
         shard = x.sharding.shard_shape(x.shape) if x.sharding is not None else x.shape
         per_device += math.prod(shard) * x.dtype.itemsize
+    # The optimizer's state is the trainable parameters' only (optimizer.trainable); read
+    # from the TrainState before placement (a strategy may wrap it: DiLoCo's islands).
+    one = built.state
+    opt_bytes, trainable_bytes, param_bytes = (
+        sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(tree))
+        for tree in (one.opt_state, one.select_trainable(one.params), one.params)
+    )
 
     bind = dict(apply_fn=built.apply_fn, **cfg.train.step_kwargs)
     train_fn = resolve_callable(cfg.train.train_step, "train.train_step")
@@ -216,6 +218,9 @@ def plan_config(cfg: Any, device_memory: int | None = None) -> dict[str, Any]:
         "devices_per_replica": strategy.inner_axes or 1,
         "state_bytes_total": total,
         "state_bytes_per_device": per_device,
+        "opt_state_bytes_total": opt_bytes,
+        "trainable_param_bytes_total": trainable_bytes,
+        "param_bytes_total": param_bytes,
         "peak_bytes_per_device": peak,
         "memory_analysis": memory,
         "device_memory_bytes": device_memory,
@@ -233,6 +238,9 @@ def _report(plan: dict[str, Any], processes: int) -> str:
         f"({plan['replicas']} replica(s) x {plan['devices_per_replica']})",
         f"  state, total:            {gib(plan['state_bytes_total'])}",
         f"  state per device:        {gib(plan['state_bytes_per_device'])}",
+        f"  optimizer state, total:  {gib(plan['opt_state_bytes_total'])} (for "
+        f"{gib(plan['trainable_param_bytes_total'])} of {gib(plan['param_bytes_total'])} "
+        "parameters that train)",
         f"  state per process:       {gib(plan['state_bytes_per_process'])} "
         f"({processes} process(es))",
         f"  step peak per device:    {gib(plan['peak_bytes_per_device'])} "
@@ -317,6 +325,6 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    from distrain.cli import run_reporting_errors
+    from distrain._src.command_errors import run_reporting_errors
 
     sys.exit(run_reporting_errors("plan", lambda: child_main(sys.argv[1:])))

@@ -32,6 +32,8 @@ from distrain._src.goodput.ledger import milestone
 from distrain._src.padding import MASK_KEY
 from distrain._src.train.config import RunConfig, StrategyConfig, config_to_dict
 from distrain._src.train.config_errors import ConfigError
+from distrain._src.train.model_fn import check_call as _check_call
+from distrain._src.train.model_fn import split_model as _split_model
 
 if TYPE_CHECKING:
     from distrain._src.strategy.base import Strategy
@@ -141,36 +143,27 @@ def resolve_import(path: str, field: str) -> Any:
     return obj
 
 
-def _check_call(fn: Callable[..., Any], section: str, path: str, *args: Any, **kwargs: Any) -> None:
-    """Raises ConfigError if ``fn`` cannot take these arguments (before calling it)."""
-    try:
-        sig = inspect.signature(fn)
-    except (TypeError, ValueError):
-        return  # builtins without a signature: let the call itself report
-    try:
-        sig.bind(*args, **kwargs)
-    except TypeError as e:
-        given = ["state", "batch"][: len(args)] + sorted(kwargs)
-        raise ConfigError(
-            f"Config section {section!r}: {path} cannot be called with ({', '.join(given)}): "
-            f"{e}. Its signature: {path.rpartition(':')[2]}{sig}."
-        ) from e
-
-
 def build_strategy(cfg: StrategyConfig) -> Strategy:
     """The strategy a config names (created first: multi-worker joins the cluster here)."""
-    import distrain as dt
+    from distrain._src.current import get_strategy
+    from distrain._src.islands.diloco_strategy import DiLoCoStrategy
+    from distrain._src.strategy.base import Strategy
+    from distrain._src.strategy.central_storage import CentralStorageStrategy
+    from distrain._src.strategy.mirrored import MirroredStrategy
+    from distrain._src.strategy.multi_worker import MultiWorkerMirroredStrategy
+    from distrain._src.strategy.one_device import OneDeviceStrategy
+    from distrain._src.strategy.tpu_strategy import TPUStrategy
 
     layout = cfg.layout_kwargs()
     if isinstance(cfg.layout, str):  # rules kept in code, e.g. the LM example's
         layout["layout"] = resolve_import(cfg.layout, "strategy.layout")
     if cfg.name == "mirrored":
-        return dt.MirroredStrategy(cfg.devices, shard_state=cfg.shard_state, **layout)
+        return MirroredStrategy(cfg.devices, shard_state=cfg.shard_state, **layout)
     if cfg.name == "one_device":
-        return dt.OneDeviceStrategy(cfg.devices[0] if cfg.devices else jax.devices()[0])
+        return OneDeviceStrategy(cfg.devices[0] if cfg.devices else jax.devices()[0])
     if cfg.name == "default":
-        current = dt.get_strategy()
-        if not isinstance(current, dt.Strategy):
+        current = get_strategy()
+        if not isinstance(current, Strategy):
             raise ConfigError(
                 "strategy.name=default trains on the current strategy, and the current one is "
                 f"{current!r}, which the Trainer does not run (it trains through a "
@@ -179,7 +172,7 @@ def build_strategy(cfg: StrategyConfig) -> Strategy:
             )
         return current
     if cfg.name == "multi_worker_mirrored":
-        return dt.MultiWorkerMirroredStrategy(shard_state=cfg.shard_state, **layout)
+        return MultiWorkerMirroredStrategy(shard_state=cfg.shard_state, **layout)
     if cfg.name == "tpu":
         from distrain._src.cluster import tpu_system
 
@@ -190,12 +183,12 @@ def build_strategy(cfg: StrategyConfig) -> Strategy:
                 f"{e} In a config: strategy.name=mirrored (this machine's devices) or "
                 "multi_worker_mirrored (several machines)."
             ) from e
-        return dt.TPUStrategy(shard_state=cfg.shard_state, **layout)
+        return TPUStrategy(shard_state=cfg.shard_state, **layout)
     if cfg.name == "diloco" and cfg.islands is not None:
         isl = cfg.islands
         outer = isl.outer_optimizer
         try:
-            return dt.experimental.DiLoCoStrategy(
+            return DiLoCoStrategy(
                 isl.islands,
                 isl.sync_every,
                 _optimizer(
@@ -223,7 +216,7 @@ def build_strategy(cfg: StrategyConfig) -> Strategy:
                 "docs/islands.md does: XLA_FLAGS=--xla_force_host_platform_device_count=8 "
                 "distrain train ..."
             ) from e
-    return dt.experimental.CentralStorageStrategy(compute_devices=cfg.devices)
+    return CentralStorageStrategy(compute_devices=cfg.devices)
 
 
 def _optimizer(
@@ -322,11 +315,11 @@ def _load_data(cfg: RunConfig, data_fn: Callable[..., Any]) -> Any:
 
 
 def _callbacks(cfg: RunConfig, progress_bar: bool) -> list[Any]:
-    from distrain import callbacks as cb
+    from distrain._src.train.callbacks import checkpointing, goodput, logging
 
     out: list[Any] = []
     if cfg.logging.progress_bar and progress_bar:
-        out.append(cb.ProgressBar())
+        out.append(logging.ProgressBar())
     log_dir = cfg.logging.dir
     wants_files = cfg.logging.tensorboard or cfg.logging.csv or cfg.logging.jsonl
     if wants_files:
@@ -335,20 +328,20 @@ def _callbacks(cfg: RunConfig, progress_bar: bool) -> list[Any]:
                 "logging.tensorboard/csv/jsonl need a directory: set logging.dir (e.g. runs/NAME)."
             )
         if cfg.logging.tensorboard:
-            out.append(cb.TensorBoard(log_dir))
+            out.append(logging.TensorBoard(log_dir))
         if cfg.logging.csv:
-            out.append(cb.CSVLogger(os.path.join(log_dir, "epochs.csv")))
+            out.append(logging.CSVLogger(os.path.join(log_dir, "epochs.csv")))
         if cfg.logging.jsonl:
-            out.append(cb.JSONLinesLogger(os.path.join(log_dir, "metrics.jsonl")))
+            out.append(logging.JSONLinesLogger(os.path.join(log_dir, "metrics.jsonl")))
     if log_dir is not None and cfg.logging.goodput:
         # The run is finished once its final evaluation is: run_config says when.
         out.append(
-            cb.Goodput(log_dir, interval=cfg.logging.goodput_interval, finish_with_fit=False)
+            goodput.Goodput(log_dir, interval=cfg.logging.goodput_interval, finish_with_fit=False)
         )
     ck = cfg.checkpoint
     if ck.backup_dir is not None:
         out.append(
-            cb.BackupAndRestore(
+            checkpointing.BackupAndRestore(
                 ck.backup_dir,
                 save_freq=ck.backup_freq,
                 # The finished state stays backed up until the final evaluation is done
@@ -360,7 +353,9 @@ def _callbacks(cfg: RunConfig, progress_bar: bool) -> list[Any]:
         )
     keep = None
     if ck.dir is not None:
-        keep = cb.ModelCheckpoint(ck.dir, save_freq=ck.save_freq, max_to_keep=ck.max_to_keep)
+        keep = checkpointing.ModelCheckpoint(
+            ck.dir, save_freq=ck.save_freq, max_to_keep=ck.max_to_keep
+        )
         out.append(keep)
     out += _trackers(cfg, keep)
     return out
@@ -368,7 +363,7 @@ def _callbacks(cfg: RunConfig, progress_bar: bool) -> list[Any]:
 
 def _trackers(cfg: RunConfig, keep: Any) -> list[Any]:
     """The W&B / MLflow loggers of ``logging.wandb`` / ``logging.mlflow``."""
-    from distrain import callbacks as cb
+    from distrain._src.train.callbacks.tracking import MLflowLogger, WandbLogger
 
     out: list[Any] = []
     wb, mf = cfg.logging.wandb, cfg.logging.mlflow
@@ -384,7 +379,7 @@ def _trackers(cfg: RunConfig, keep: Any) -> list[Any]:
     config = config_to_dict(cfg)  # the file after overrides: what this run is
     if wb is not None:
         out.append(
-            cb.WandbLogger(
+            WandbLogger(
                 wb.project,
                 name=cfg.name,
                 config=config,
@@ -398,7 +393,7 @@ def _trackers(cfg: RunConfig, keep: Any) -> list[Any]:
         )
     if mf is not None:
         out.append(
-            cb.MLflowLogger(
+            MLflowLogger(
                 mf.experiment,
                 run_name=cfg.name,
                 config=config,
@@ -408,34 +403,6 @@ def _trackers(cfg: RunConfig, keep: Any) -> list[Any]:
             )
         )
     return out
-
-
-def _split_model(model: Any) -> tuple[Callable[..., jax.Array], Any]:
-    """``(apply_fn, params)`` from an ``nnx.Module`` or an ``(apply_fn, params)`` pair.
-
-    ``params`` is a plain nested dict of arrays (``nnx.to_pure_dict``), which
-    checkpoints and restores without any flax types. A module's ``apply_fn(params, x,
-    *args, **kwargs)`` passes every input on to its ``__call__`` (e.g. the LM's
-    ``segment_ids`` and ``positions`` for packed rows).
-
-    Raises:
-      TypeError: for anything else, saying what a model function must return.
-    """
-    from flax import nnx
-
-    if isinstance(model, nnx.Module):
-        graphdef, state = nnx.split(model)
-
-        def apply_fn(params: Any, x: Any, *args: Any, **kwargs: Any) -> jax.Array:
-            return nnx.merge(graphdef, params)(x, *args, **kwargs)
-
-        return apply_fn, nnx.to_pure_dict(state)
-    if isinstance(model, tuple) and len(model) == 2 and callable(model[0]):
-        return model[0], model[1]
-    raise TypeError(
-        "A model function must return a flax.nnx.Module or a tuple (apply_fn, params) with "
-        f"apply_fn(params, x) -> outputs. Received: {type(model).__name__}."
-    )
 
 
 def _init_model(
@@ -485,8 +452,8 @@ def run_config(
     from distrain._src.train.callbacks.checkpointing import BackupAndRestore
     from distrain._src.train.callbacks.goodput import Goodput
     from distrain._src.train.optimizer import LearningRateLogger, build_optimizer
+    from distrain._src.train.pretrained import new_state, pretrained_model, with_lora_dropout
     from distrain._src.train.progress import steps_per_epoch_of
-    from distrain._src.train.state import TrainState
     from distrain._src.train.trainer import Trainer
 
     start = time.perf_counter()
@@ -495,20 +462,21 @@ def run_config(
     say = print_fn if (print_fn is not None and chief) else (lambda _msg: None)
     say(f"distrain train: {cfg.name} on {strategy!r} ({jax.devices()[0].platform})")
 
-    model_fn = resolve_callable(cfg.model.fn, "model.fn")
-    key = jax.random.key(cfg.seed)
-    _check_call(model_fn, "model", cfg.model.fn, key=key, **cfg.model.kwargs)
-    try:
-        apply_fn, params = _init_model(model_fn, key, **cfg.model.kwargs)
-    except TypeError as e:
-        raise ConfigError(f"Config field 'model.fn': {e}") from e
+    base = None  # a pretrained model's hash and path: what its checkpoints are checked by
+    if cfg.model.pretrained is not None:
+        apply_fn, params, base = pretrained_model(cfg, strategy, say)
+    else:
+        model_fn = resolve_callable(cfg.model.fn, "model.fn")
+        key = jax.random.key(cfg.seed)
+        _check_call(model_fn, "model", cfg.model.fn, key=key, **cfg.model.kwargs)
+        try:
+            apply_fn, params = _init_model(model_fn, key, **cfg.model.kwargs)
+        except TypeError as e:
+            raise ConfigError(f"Config field 'model.fn': {e}") from e
     tx, schedule = build_optimizer(cfg.optimizer, run_steps=cfg.train.steps)
     # One compiled call instead of one small program per optimizer-state leaf. The RNG
     # is a raw uint32[2] key: typed key arrays cannot yet be placed across processes.
-    policy = cfg.train.policy
-    state = jax.jit(lambda p, k: TrainState.create(params=p, tx=tx, rng=k, policy=policy))(
-        params, jax.random.PRNGKey(cfg.seed + 1)
-    )
+    state = jax.jit(new_state(cfg, tx, base))(params, jax.random.PRNGKey(cfg.seed + 1))
     milestone("model")
 
     data_fn = resolve_callable(cfg.data.fn, "data.fn")
@@ -523,7 +491,7 @@ def run_config(
     bind = dict(apply_fn=apply_fn, **cfg.train.step_kwargs)
     train_fn = resolve_callable(cfg.train.train_step, "train.train_step")
     _check_call(train_fn, "train", cfg.train.train_step, None, None, **bind)
-    train_step = functools.partial(train_fn, **bind)
+    train_step = with_lora_dropout(functools.partial(train_fn, **bind), cfg)
     eval_step = None
     if cfg.train.eval_step is not None:
         eval_fn = resolve_callable(cfg.train.eval_step, "train.eval_step")

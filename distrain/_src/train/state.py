@@ -4,10 +4,16 @@ Frozen parameters (``create(trainable=...)``): only the trainable leaves have op
 state, and ``apply_gradients`` drops the frozen leaves' gradients before the all-reduce,
 so XLA removes their computation and nothing of them crosses devices. A ``train_step``
 written for full training fine-tunes unchanged.
+
+A state read from a pretrained model records it (``TrainState.base``: its hash and
+path). Checkpoints (:func:`checkpointed`) then leave out the frozen parameters, which a
+resume re-reads from the base, and record the base's hash, which :func:`restored_over`
+checks before it puts the checkpoint's leaves over the freshly read state.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import re
 from collections.abc import Callable, Sequence
@@ -23,6 +29,19 @@ from distrain._src import mixed_precision as mp
 from distrain._src.pytree import path_str
 
 _CREATE_KEYWORDS = ("params", "tx", "rng", "policy", "trainable", "frozen_dtype")
+
+
+@dataclasses.dataclass(frozen=True)
+class Base:
+    """The pretrained model a state starts from: ``sha256``, ``dt.models``' hash of its
+    parameters (``peft_format.base_sha256``), and ``path``, where it was read.
+
+    Example:
+      >>> state = state.replace(base=Base(sha256=base_sha256(model.params), path="hf/"))
+    """
+
+    sha256: str
+    path: str
 
 
 @struct.dataclass
@@ -56,6 +75,9 @@ class TrainState:
     accumulating: bool = struct.field(pytree_node=False, default=False)
     micro_grads: Any = None
     trainable: tuple[bool, ...] | None = struct.field(pytree_node=False, default=None)
+    # Where the parameters came from (train/pretrained.py sets it): a checkpoint then
+    # holds no frozen parameter (see `checkpointed`) and records the base's hash.
+    base: Base | None = struct.field(pytree_node=False, default=None)
 
     if TYPE_CHECKING:
         # Added by @struct.dataclass at runtime; declared here so type checkers see it.
@@ -299,3 +321,72 @@ def _merge(
     keep = frozen or (lambda x: x)
     out = [next(new) if m else keep(x) for x, m in zip(leaves, mask, strict=True)]
     return jax.tree.unflatten(treedef, out)
+
+
+def _is_state(x: Any) -> bool:
+    return isinstance(x, TrainState)
+
+
+def _rebased(x: Any) -> bool:
+    """Whether ``x`` is a state whose frozen parameters can be re-read from its base."""
+    return isinstance(x, TrainState) and x.base is not None and x.trainable is not None
+
+
+def checkpointed(state: Any, copy: bool = False) -> Any:
+    """What a checkpoint of ``state`` holds: ``state`` with the frozen parameters of each
+    ``TrainState`` that has a ``base`` left out (None). Others are whole.
+
+    Args:
+      state: the train state (any pytree; the ``TrainState``s in it are looked at).
+      copy: copy the arrays kept (for an asynchronous write while later steps donate
+        ``state``'s buffers); the frozen ones are never copied.
+
+    Example:
+      >>> manager.save(step, checkpointed(state), metadata=checkpoint_metadata(state))
+    """
+    view = jax.tree.map(
+        lambda x: x.replace(params=_select(x.params, x.trainable)) if _rebased(x) else x,
+        state,
+        is_leaf=_is_state,
+    )
+    return (
+        jax.tree.map(lambda x: x.copy() if isinstance(x, jax.Array) else x, view) if copy else view
+    )
+
+
+def checkpoint_metadata(state: Any) -> dict[str, Any]:
+    """``{"bases": [{"sha256", "path"}, ...]}`` for the states in ``state`` that have a
+    ``base`` (``{}`` if none): a checkpoint's record of the models it starts from."""
+    leaves = jax.tree.leaves(state, is_leaf=_is_state)
+    bases = [dataclasses.asdict(x.base) for x in leaves if _is_state(x) and x.base]
+    return {"bases": bases} if bases else {}
+
+
+def restored_over(state: Any, restored: Any, where: str) -> Any:
+    """The checkpoint's state (``restored``: a ``CheckpointManager.restore`` of the target
+    ``checkpointed(state)``) with the frozen parameters it left out taken from ``state``.
+
+    Raises:
+      ValueError: the checkpoint was trained from other base models than ``state``'s
+        (different hashes, or a base on one side only), naming both hashes and paths.
+    """
+    ours = checkpoint_metadata(state).get("bases", [])
+    theirs = (restored.metadata or {}).get("bases", [])
+    if [b["sha256"] for b in ours] != [b["sha256"] for b in theirs]:
+        raise ValueError(
+            f"The checkpoint of step {restored.step} in {where} was trained from the base "
+            f"model {_named(theirs)}; this run starts from {_named(ours)}: a different model. "
+            "Resume with the base it was trained from (model.pretrained), or use a new "
+            "checkpoint directory."
+        )
+
+    def over(fresh: Any, saved: Any) -> Any:
+        if not _rebased(fresh):
+            return saved
+        return saved.replace(params=_merge(fresh.params, saved.params, fresh.trainable))
+
+    return jax.tree.map(over, state, restored.state, is_leaf=_is_state)
+
+
+def _named(bases: list[dict[str, str]]) -> str:
+    return ", ".join(f"{b['path']} (sha256 {b['sha256']})" for b in bases) or "none"

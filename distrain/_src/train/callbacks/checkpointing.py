@@ -35,6 +35,7 @@ from distrain._src.goodput.ledger import settle_steps
 from distrain._src.train.callbacks import finish_mark
 from distrain._src.train.callbacks.base import Callback, Logs, StepInfo, ensure_writable_dir
 from distrain._src.train.callbacks.control import improved, resolve_mode, validation_pending
+from distrain._src.train.state import checkpoint_metadata, checkpointed, restored_over
 from distrain._src.validate import is_positive_int
 
 
@@ -139,18 +140,14 @@ class _Saver(Callback):
         step = self.checkpoint_step()
         settle_steps(t.state)
         with goodput.phase("checkpoint"):
-            if local:  # copied to the host before it returns: no snapshot needed
-                saved = self.manager.save_local(
-                    step, t.state, data_state=t.data_state(), metadata={"progress": t.progress()}
-                )
+            meta = {"progress": t.progress(), **checkpoint_metadata(t.state)}
+            # The local tier copies to the host before it returns; the asynchronous write
+            # must not read what the next step donates: a copy (of what is saved only).
+            state, data = checkpointed(t.state, copy=not local), t.data_state()
+            if local:
+                saved = self.manager.save_local(step, state, data_state=data, metadata=meta)
             else:
-                saved = self.manager.save(
-                    step,
-                    t.state_snapshot(),  # the async write must not read what the next step donates
-                    data_state=t.data_state(),
-                    metadata={"progress": t.progress()},
-                    force=True,
-                )
+                saved = self.manager.save(step, state, data_state=data, metadata=meta, force=True)
         if saved:
             self.last_saved_step = step
             ledger = goodput.current()
@@ -363,7 +360,7 @@ class BackupAndRestore(_Saver):
         self._ended_finite = False  # until this fit ends finite: an aborted fit keeps its backups
         t = self._fit_trainer
         began = time.perf_counter()
-        restored = self.manager.restore(target=t.state)
+        restored = self.manager.restore(target=checkpointed(t.state))  # no frozen base
         if restored is not None:
             goodput.note_restore(
                 source=self.manager.restored_from, seconds=time.perf_counter() - began
@@ -375,7 +372,9 @@ class BackupAndRestore(_Saver):
                     "written by BackupAndRestore (it has no trainer progress). Use an empty "
                     "backup_dir for each run."
                 )
-            t.resume(restored.state, progress, restored.data_state)
+            t.resume(
+                restored_over(t.state, restored, self.directory), progress, restored.data_state
+            )
             self.restored_step = restored.step
             loop = t.loop
             where = {
