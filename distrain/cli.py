@@ -172,9 +172,11 @@ def _train(args: argparse.Namespace) -> int:
         return run_reporting_errors(
             command, lambda: run_evaluator(cfg, checkpoint_dir=checkpoint, follow=follow), debug
         )
+    from distrain._src import compile_cache
     from distrain._src.train.run import run_config
 
     _importable_from_cwd()
+    compile_cache.enable()  # a restart reads its programs back (DISTRAIN_COMPILATION_CACHE)
 
     def train() -> int:
         run_config(cfg, progress_bar=not args.no_progress)

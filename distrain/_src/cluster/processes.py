@@ -15,7 +15,7 @@ import threading
 import time
 from typing import IO
 
-from distrain._src import verbosity
+from distrain._src import compile_cache, verbosity
 from distrain._src.cluster.base import (
     ENV_COORDINATOR_ADDRESS,
     ENV_LOCAL_DEVICES,
@@ -76,7 +76,7 @@ def child_env(args: argparse.Namespace, index: int, port: int, attempt: int) -> 
             env.pop(name, None)
     if args.timeout is not None:
         env[ENV_TIMEOUT_SECONDS] = f"{args.timeout:g}"
-    return env
+    return compile_cache.child_env(env)  # a restarted process reads its programs back
 
 
 def visible_gpus(environ: dict[str, str] | os._Environ, needed: int) -> list[str]:
