@@ -79,9 +79,9 @@ def main(argv: Sequence[str]) -> int:
     import jax
     from flax import nnx
 
-    from distrain._src.checkpoint.manager import CheckpointManager
     from distrain._src.models import hub
     from distrain._src.models.family import family_of
+    from distrain._src.models.run_reader import read_params
     from distrain._src.train.config import load_config
     from distrain._src.train.run import resolve_callable
 
@@ -110,20 +110,8 @@ def main(argv: Sequence[str]) -> int:
         from tokenizers import Tokenizer
 
         tokenizer = Tokenizer.from_file(args.tokenizer)
-    if not os.path.isdir(args.checkpoint):
-        raise FileNotFoundError(f"--checkpoint {args.checkpoint!r} is not a directory.")
-    with CheckpointManager(args.checkpoint, async_save=False) as manager:
-        restored = manager.restore(args.step)
-    if restored is None:
-        raise FileNotFoundError(f"--checkpoint {args.checkpoint!r} holds no checkpoint.")
-    state = restored.state
-    params = state.get("params") if isinstance(state, dict) else None
-    if params is None:
-        raise ValueError(
-            f"The checkpoint at step {restored.step} in {args.checkpoint!r} has no 'params' "
-            "(expected a dt.TrainState saved by distrain train or the Trainer)."
-        )
+    step, params = read_params(args.checkpoint, args.step)
     files = hub.save_pretrained(out, params, family_cfg, dtype=args.dtype, tokenizer=tokenizer)
-    print(f"distrain export: step {restored.step} of {args.checkpoint} -> {out} ({len(files)} "
+    print(f"distrain export: step {step} of {args.checkpoint} -> {out} ({len(files)} "
           f"safetensors file{'s' if len(files) > 1 else ''}, config.json)")  # fmt: skip
     return 0

@@ -25,7 +25,6 @@ def read_run(config: str, checkpoint: str, step: int | None, overrides: Sequence
     """
     from flax import nnx
 
-    from distrain._src.checkpoint.manager import CheckpointManager
     from distrain._src.train.config import load_config
     from distrain._src.train.run import build_strategy, resolve_callable
 
@@ -34,19 +33,7 @@ def read_run(config: str, checkpoint: str, step: int | None, overrides: Sequence
     import jax
 
     module = nnx.eval_shape(lambda: model_fn(key=jax.random.key(0), **cfg.model.kwargs))
-    if not os.path.isdir(checkpoint):
-        raise FileNotFoundError(f"--checkpoint {checkpoint!r} is not a directory.")
-    with CheckpointManager(checkpoint, async_save=False, read_only=True) as manager:
-        restored = manager.restore(step)
-    if restored is None:
-        raise FileNotFoundError(f"--checkpoint {checkpoint!r} holds no checkpoint.")
-    state = restored.state
-    params = state.get("params") if isinstance(state, dict) else None
-    if params is None:
-        raise ValueError(
-            f"The checkpoint at step {restored.step} in {checkpoint!r} has no 'params' "
-            "(expected a dt.TrainState saved by distrain train or the Trainer)."
-        )
+    _, params = read_params(checkpoint, step)
     _check_same(nnx.to_pure_dict(nnx.state(module)), params, cfg.model.fn)
     strategy = strategy if strategy is not None else build_strategy(cfg.strategy)
     return module, strategy.put_replicated({"params": params})["params"], strategy
@@ -70,3 +57,29 @@ def _check_same(want: Any, got: Any, fn: str) -> None:
                 f"{b.get(path, 'missing')} in the checkpoint, {a.get(path, 'missing')} in "
                 "the model. Pass the run's own config (and overrides)."
             )
+
+
+def read_params(checkpoint: str, step: int | None) -> tuple[int, Any]:
+    """``(step, params)`` of the newest (or ``step``) checkpoint in ``checkpoint``, read
+    whole on the host.
+
+    Raises:
+      FileNotFoundError: no checkpoint directory, or no checkpoint in it.
+      ValueError: a checkpoint without ``params``.
+    """
+    from distrain._src.checkpoint.manager import CheckpointManager
+
+    if not os.path.isdir(checkpoint):
+        raise FileNotFoundError(f"--checkpoint {checkpoint!r} is not a directory.")
+    with CheckpointManager(checkpoint, async_save=False, read_only=True) as manager:
+        restored = manager.restore(step)
+    if restored is None:
+        raise FileNotFoundError(f"--checkpoint {checkpoint!r} holds no checkpoint.")
+    state = restored.state
+    params = state.get("params") if isinstance(state, dict) else None
+    if params is None:
+        raise ValueError(
+            f"The checkpoint at step {restored.step} in {checkpoint!r} has no 'params' "
+            "(expected a dt.TrainState saved by distrain train or the Trainer)."
+        )
+    return restored.step, params
