@@ -737,6 +737,7 @@ def test_async_applies_on_arrival_discards_stale_work_and_loses_no_row(tmp_path)
 
 
 def test_without_ray_both_sides_name_the_extra(monkeypatch):
+    from distrain._src.islands import launch_islands as launch
 
     python = sys.executable
     monkeypatch.setattr(sys, "executable", "/nonexistent/python")
