@@ -43,7 +43,8 @@ class Supervisor:
         self.stopped = False  # set from another thread: restart nothing
         self.out = getattr(sys.stdout, "buffer", None) or sys.stdout
         self.lock = lock or threading.Lock()
-        hang = getattr(args, "hang_timeout", 0)
+        # No watch of its own for `--islands`: each island's supervisor has one.
+        hang = getattr(args, "hang_timeout", 0) if args.nproc else 0
         self.watch = heartbeat.Watch(args.nproc, hang) if hang else None
         self.hang: heartbeat.Stall | None = None  # the stall that ended the last attempt
 

@@ -44,8 +44,9 @@ ENV_PERIOD = "DISTRAIN_HEARTBEAT_PERIOD"
 #: The next attempt's note of the hang that ended the previous one (JSON; the goodput
 #: ledger records it and its report charges the stall to the ``hang`` bucket).
 ENV_AFTER_HANG = "DISTRAIN_AFTER_HANG"
-#: Phases that are slow by nature: time in them is progress (``busy``).
-BUSY = ("checkpoint", "evaluation")
+#: Phases that are slow by nature: time in them is progress (``busy``). ``sync`` is an
+#: island's outer exchange and round barrier, which the islands' own deadlines bound.
+BUSY = ("checkpoint", "evaluation", "sync")
 # jax's tracing, lowering and compilation: a training thread inside one of these files is
 # compiling, however long it takes (both ends of the supported jax range).
 _COMPILING = tuple(
