@@ -127,6 +127,8 @@ def progress(step: int) -> None:
         if not path:
             return
         _beat = _Beat(path, float(os.environ.get(ENV_PERIOD, "1")))
+        os.environ.pop(ENV_FILE)  # this process's file: a program it starts has none
+        os.environ.pop(ENV_PERIOD, None)
     _beat.step = int(step)
     _beat.progress_t = time.time()
     _beat.paused = False
