@@ -371,7 +371,7 @@ def test_transformers_loads_the_export_with_the_same_logits(tmp_path):
 
     model = dt.models.from_pretrained(str(tmp_path))
     prompt = bytes([3, 1, 4, 1])
-    mine = generate(model.apply_fn, model.params, prompt, num_bytes=12, seq_len=16)
+    mine = generate(cfg, model.params, prompt, num_bytes=12)  # from the KV cache
     with torch.no_grad():
         ids = torch.tensor([list(prompt)])
         out = hf.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,

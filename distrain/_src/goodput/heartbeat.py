@@ -116,19 +116,22 @@ class _Beat:
 
 
 _beat: _Beat | None = None
+_absent = False  # no launcher asked for one: every later call returns at once
 
 
 def progress(step: int) -> None:
     """The training loop finished global step ``step`` (starts the heartbeat at the first
     call when the launcher asked for one)."""
-    global _beat
+    global _beat, _absent
     if _beat is None:
-        path = os.environ.get(ENV_FILE)
+        if _absent:
+            return  # called every step: one global read, not an environment lookup
+        path = os.environ.pop(ENV_FILE, None)  # this process's: a program it starts has none
+        period = os.environ.pop(ENV_PERIOD, "1")
         if not path:
+            _absent = True
             return
-        _beat = _Beat(path, float(os.environ.get(ENV_PERIOD, "1")))
-        os.environ.pop(ENV_FILE)  # this process's file: a program it starts has none
-        os.environ.pop(ENV_PERIOD, None)
+        _beat = _Beat(path, float(period))
     _beat.step = int(step)
     _beat.progress_t = time.time()
     _beat.paused = False
