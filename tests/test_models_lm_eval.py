@@ -259,6 +259,33 @@ def _run(tmp_path, params, save=True):
     return str(tmp_path / "run.yaml"), str(tmp_path / "ckpt")
 
 
+@pytest.mark.one_end("newest")  # real processes on loopback (tests/conftest.py)
+def test_on_two_processes_both_evaluate_and_process_0_alone_returns(files, one_device,
+                                                                   tmp_path):  # fmt: skip
+    """docs/evaluation.md: on N processes every process runs the same requests through
+    the strategy and only process 0 gets (and writes) the results: they are one device's."""
+    from distrain._src.cluster.launch import free_port
+    from tests.processes import run_together
+    from tests.test_multi_worker import clean_env
+
+    script = os.path.join(os.path.dirname(__file__), "scripts", "lm_eval_mp.py")
+    port = free_port()
+    argv = [sys.executable, script, "--hf", files[0], "--tasks-dir", files[1],
+            "--task", "dt_choice", "--out", str(tmp_path)]  # fmt: skip
+    env = dict(DISTRAIN_COORDINATOR_ADDRESS=f"127.0.0.1:{port}", DISTRAIN_NUM_PROCESSES="2",
+               DISTRAIN_TIMEOUT_SECONDS="60", HF_DATASETS_OFFLINE="1",
+               PYTHONPATH=os.path.dirname(os.path.dirname(__file__)))  # fmt: skip
+    jobs = [(argv, clean_env(2, DISTRAIN_PROCESS_ID=str(i), **env)) for i in range(2)]
+    for code, log, _ in run_together(jobs, 300):
+        assert code == 0, log[-3000:]
+    assert json.loads((tmp_path / "result_1.json").read_text()) is None
+    got = json.loads((tmp_path / "result_0.json").read_text())
+    metrics, resps = _answers(one_device[1])["dt_choice"]
+    assert {k: v for k, v in got["results"]["dt_choice"].items() if k in metrics} == metrics
+    for a, b in zip(jax.tree.leaves(got["resps"]), jax.tree.leaves(resps), strict=True):
+        assert np.isclose(a, b, rtol=1e-6) if isinstance(b, float) else a == b
+
+
 # A process of its own, and lm-eval's command line reads its 14,683 task files at every
 # start (18 s of CPU): on one end of the jax range (tests/conftest.py).
 @pytest.mark.one_end("newest")
