@@ -70,6 +70,33 @@ def test_load_digits_without_sklearn_names_the_extra(monkeypatch):
         load_digits()
 
 
+def test_load_digits_reads_sklearns_file_without_importing_sklearn(tmp_path, monkeypatch):
+    """The quickstart's processes skip scikit-learn's import (3 s of CPU): the table comes
+    from the file it ships, equal to its loader's; where the file is not found, through
+    the loader."""
+    import subprocess
+    import sys
+
+    from sklearn.datasets import load_digits as sk_load_digits
+
+    code = (
+        "import sys; from distrain.data import load_digits; load_digits(); "
+        "print('sklearn' in sys.modules)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["False"], out.stderr[-2000:]
+    pixels, labels = datasets._digits_table()
+    source = sk_load_digits()
+    np.testing.assert_array_equal(pixels, source.data)
+    np.testing.assert_array_equal(labels, source.target)
+    spec = datasets.importlib.util.find_spec("sklearn")
+    moved = type(spec)(spec.name, spec.loader, is_package=True)
+    moved.submodule_search_locations = [str(tmp_path)]  # no datasets/data/digits.csv.gz
+    monkeypatch.setattr(datasets.importlib.util, "find_spec", lambda name: moved)
+    pixels_elsewhere, _ = datasets._digits_table()
+    np.testing.assert_array_equal(pixels_elsewhere, source.data)
+
+
 # --------------------------------------------------------------------------- MNIST
 
 _N = 5

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import gzip
 import hashlib
+import importlib.util
 import os
 import tempfile
 import urllib.error
@@ -134,17 +135,10 @@ def load_digits(
         )
     if not isinstance(seed, int | np.integer) or seed < 0:
         raise ValueError(f"seed must be a non-negative int; received seed={seed!r}.")
-    try:
-        from sklearn import datasets as sk_datasets
-    except ImportError as e:
-        raise ImportError(
-            "load_digits needs scikit-learn, which ships the 8x8 digits data. Install it with "
-            "`pip install 'distrain[examples]'` (or `pip install scikit-learn`)."
-        ) from e
-    bunch = sk_datasets.load_digits()
+    pixels, target = _digits_table()
     # Pixel values are integers 0..16 in the bundled data.
-    images = (np.asarray(bunch.images, dtype=np.float32) / 16.0)[..., None]
-    labels = np.asarray(bunch.target, dtype=np.int32)
+    images = (pixels.reshape(-1, 8, 8).astype(np.float32) / 16.0)[..., None]
+    labels = target.astype(np.int32)
 
     rng = np.random.default_rng(seed)
     is_test = np.zeros(labels.shape[0], dtype=bool)
@@ -154,6 +148,31 @@ def load_digits(
         is_test[rng.permutation(members)[:n_test]] = True
     keep = is_test if split == "test" else ~is_test
     return {"image": np.ascontiguousarray(images[keep]), "label": labels[keep]}
+
+
+def _digits_table() -> tuple[np.ndarray, np.ndarray]:
+    """scikit-learn's bundled digits as (pixels [1797, 64], labels [1797]).
+
+    Read from the file scikit-learn ships, found without importing scikit-learn: the
+    import costs about 3 s of CPU (scipy, pandas), twice the import of jax, in every
+    process that loads the quickstart's data. ``sklearn.datasets.load_digits`` parses the
+    same file the same way; a layout where the file is elsewhere goes through it.
+    """
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None:
+        raise ImportError(
+            "load_digits needs scikit-learn, which ships the 8x8 digits data. Install it with "
+            "`pip install 'distrain[examples]'` (or `pip install scikit-learn`)."
+        )
+    for root in spec.submodule_search_locations or []:
+        path = Path(root) / "datasets" / "data" / "digits.csv.gz"
+        if path.is_file():
+            table = np.loadtxt(path, delimiter=",")
+            return table[:, :-1], table[:, -1]
+    from sklearn import datasets as sk_datasets
+
+    bunch = sk_datasets.load_digits()
+    return np.asarray(bunch.data), np.asarray(bunch.target)
 
 
 def _default_cache_dir() -> Path:
