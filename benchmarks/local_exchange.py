@@ -53,23 +53,23 @@ def _worker(args: argparse.Namespace) -> None:
     jax.distributed.initialize(f"127.0.0.1:{args.port}", num_processes=2, process_id=args.worker)
     from jax.experimental import multihost_utils
 
-    from distrain._src.checkpoint import local
+    from distrain._src.checkpoint import _local_copy, _process_exchange
 
     me, pairs = jax.process_index(), [(0, 1), (1, 0)]
-    chunk = args.chunk_bytes or local.CHUNK_BYTES
+    chunk = args.chunk_bytes or _process_exchange.CHUNK_BYTES
     for i, mib in enumerate(int(m) for m in args.state_mib.split(",")):
         state = {"w": jax.device_put(_state_bytes(me, mib), jax.local_devices()[0])}
-        manifest, chunks = local._pack(0, state, None, None)  # the host copy a save makes
-        parts = [local._head(manifest), *chunks]
+        manifest, chunks = _local_copy.pack(0, state, None, None)  # the host copy a save makes
+        parts = [_local_copy.head_bytes(manifest), *chunks]
         if i == 0:  # compiles the exchange (the sizes below reuse it: whole chunks)
-            local.exchange(parts, pairs, "the warm-up", chunk_bytes=chunk)
+            _process_exchange.exchange(parts, pairs, "the warm-up", chunk_bytes=chunk)
         gc.collect()
         before = _memory("VmRSS")
         Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
-        got = local.exchange(parts, pairs, "the measured exchange", chunk_bytes=chunk)
+        got = _process_exchange.exchange(parts, pairs, "the measured exchange", chunk_bytes=chunk)
         peak = _memory("VmHWM")
         assert got is not None
-        _, arrays = local._from_blob(got)
+        _, arrays = _local_copy.from_blob(got)
         ok = bytes(arrays) == _state_bytes(1 - me, mib).tobytes()
         row = {"process": me, "state_mib": mib, "extra": peak - before - got.nbytes, "ok": ok}
         print("EXCHANGE " + json.dumps(row), flush=True)
@@ -84,7 +84,7 @@ def measure(
     """Runs the two processes; ``local_exchange_chunk_bytes`` and
     ``local_exchange_extra_bytes`` (the largest state's, the larger process's), and the
     extra bytes per state size."""
-    from distrain._src.checkpoint import local
+    from distrain._src.checkpoint import _process_exchange
     from distrain._src.cluster.launch import free_port
 
     port, sizes = free_port(), ",".join(str(m) for m in state_mib)
@@ -127,7 +127,7 @@ def measure(
         raise SystemExit("the exchange measurement failed:\n" + "\n".join(o[-3000:] for o in outs))
     by_size = {m: max(r["extra"] for r in rows if r["state_mib"] == m) for m in state_mib}
     return {
-        "local_exchange_chunk_bytes": chunk_bytes or local.CHUNK_BYTES,
+        "local_exchange_chunk_bytes": chunk_bytes or _process_exchange.CHUNK_BYTES,
         "local_exchange_extra_bytes": by_size[max(state_mib)],
         "local_exchange_extra_bytes_by_state_mib": {str(m): b for m, b in by_size.items()},
     }

@@ -10,8 +10,8 @@ Example:
 """
 
 from distrain._src.checkpoint._layout import CheckpointCorruptionError as CheckpointCorruptionError
+from distrain._src.checkpoint._persistent_restore import Restored as Restored
 from distrain._src.checkpoint.manager import CheckpointManager as CheckpointManager
-from distrain._src.checkpoint.manager import Restored as Restored
 from distrain._src.checkpoint.preemption import PREEMPTION_EXIT_CODE as PREEMPTION_EXIT_CODE
 from distrain._src.checkpoint.preemption import PreemptionHandler as PreemptionHandler
 

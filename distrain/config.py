@@ -16,9 +16,9 @@ from distrain._src.train.config import OptimizerConfig as OptimizerConfig
 from distrain._src.train.config import RunConfig as RunConfig
 from distrain._src.train.config import load_config as load_config
 from distrain._src.train.config_errors import ConfigError as ConfigError
+from distrain._src.train.import_paths import resolve_callable as resolve_callable
 from distrain._src.train.optimizer import build_optimizer as build_optimizer
 from distrain._src.train.run import RunResult as RunResult
-from distrain._src.train.run import resolve_callable as resolve_callable
 from distrain._src.train.run import run_config as run_config
 
 __all__ = [

@@ -24,7 +24,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import distrain as dt
-from distrain._src.checkpoint import local
+from distrain._src.checkpoint import _process_exchange
 from distrain._src.cluster.launch import free_port
 from tests.processes import run_together
 
@@ -187,8 +187,10 @@ def test_the_exchange_holds_a_few_chunks_whatever_the_state_size(devices):
     # Over glibc's largest mmap threshold (32 MiB): each chunk's buffers go back to the
     # system when freed, so the peak counts what the exchange holds, not the heap's reuse.
     chunk = 33 * MIB
-    local.exchange([np.ones(chunk, np.uint8)], [(0, 0)], "a warm-up", chunk_bytes=chunk)
-    got, rise = _rise_in_memory(lambda: local.exchange(parts, [(0, 0)], "", chunk_bytes=chunk))
+    _process_exchange.exchange([np.ones(chunk, np.uint8)], [(0, 0)], "a warm-up", chunk_bytes=chunk)
+    got, rise = _rise_in_memory(
+        lambda: _process_exchange.exchange(parts, [(0, 0)], "", chunk_bytes=chunk)
+    )
     ends = np.cumsum(sizes)
     for part, end in zip(parts, ends, strict=True):  # chunk borders within and across parts
         assert np.array_equal(got[end - part.size : end], part)
@@ -319,7 +321,7 @@ def test_a_peer_frozen_mid_restore_times_out_with_what_to_do(two_process_jobs):
 def test_the_config_needs_backup_dir_local_dir_and_local_freq_together():
 
     base = {"backup_dir": "/tmp/b", "local_dir": "/dev/shm/r", "local_freq": 10}
-    from distrain._src.train.config import CheckpointConfig
+    from distrain._src.train.outputs_config import CheckpointConfig
 
     assert CheckpointConfig(**base).local_freq == 10
     for drop in base:

@@ -10,7 +10,8 @@ import yaml
 
 import distrain as dt
 from distrain._src.train.config import apply_overrides, config_from_dict
-from distrain._src.train.run import _optimizer, _split_model, build_strategy
+from distrain._src.train.model_fn import split_model as _split_model
+from distrain._src.train.strategy_from_config import _optimizer, build_strategy
 from distrain.config import (
     ConfigError,
     OptimizerConfig,

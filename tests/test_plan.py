@@ -41,7 +41,9 @@ def test_plan_gives_the_allocated_state_bytes_and_a_verdict(devices):
 
     # The same state, allocated here on 8 devices as distrain train builds it.
     from distrain._src.train.config import load_config
-    from distrain._src.train.run import _init_model, _optimizer, build_strategy, resolve_callable
+    from distrain._src.train.import_paths import resolve_callable
+    from distrain._src.train.run import _init_model
+    from distrain._src.train.strategy_from_config import _optimizer, build_strategy
 
     cfg = load_config("configs/lm_tiny.yaml", TINY[2:])
     strategy = build_strategy(cfg.strategy)

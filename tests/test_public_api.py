@@ -192,7 +192,7 @@ EXTENSION_POINTS = {
     "distrain._src.train.callbacks.base.Callback": "Keras' contract: hooks are optional no-ops",
     "distrain._src.train.callbacks.checkpointing._Saver": "private: the two checkpoint callbacks",
     "distrain._src.cross_device_ops._Psum": "private: two final spellings of one psum",
-    "distrain._src.train.config._Section": "private: the pydantic settings every section shares",
+    "distrain._src.train.config_section.ConfigSection": "the pydantic settings of every section",
     "distrain._src.models.llama._DecoderConfig": "private: the fields Llama and Mixtral share",
     "distrain._src.islands.island_coordinator.IslandCoordinator": (
         "private: the Ray actor adds the run directory's check to the plain-Python coordinator"
@@ -242,7 +242,7 @@ def test_parameter_server_modules_meet_through_contracts_not_private_attributes(
     allowed = {
         "os._exit",  # a Ray worker's injected crash
         "context._enter_scope",  # the scope stack's entry, shared by every strategy
-        "value._set",  # RemoteValue, defined in cluster_coordinator.py itself
+        "value._set",  # RemoteValue, defined in scheduled_functions.py
         "value._fail",
     }
     reads = []

@@ -20,7 +20,8 @@ Last, both restore with a 2 s wait bound and process 1 SIGSTOPs itself in the mi
 process 0 prints ``FAILED <seconds> <error>``, SIGKILLs process 1 and exits.
 
 The SIGKILL and SIGSTOP land right after the tier's first collective of the restore:
-the script wraps ``local._gather`` to send them (the only place it reaches inside).
+the script wraps ``_process_exchange.gather`` to send them (the only place it reaches
+inside).
 """
 
 import argparse
@@ -57,7 +58,7 @@ def main() -> int:
     from jax.sharding import NamedSharding
     from jax.sharding import PartitionSpec as P
 
-    from distrain._src.checkpoint import local as local_tier
+    from distrain._src.checkpoint import _process_exchange
     from distrain.checkpoint import CheckpointManager
 
     mesh = jax.make_mesh((8,), ("d",), devices=jax.devices())
@@ -95,7 +96,7 @@ def main() -> int:
 
     def stop_after_first_collective(sig):
         """Process 1 gets ``sig`` right after the local tier's next collective returns."""
-        real = local_tier._gather
+        real = _process_exchange.gather
 
         def gather(*a, **kw):
             out = real(*a, **kw)
@@ -103,7 +104,7 @@ def main() -> int:
             return out
 
         if me == 1:
-            local_tier._gather = gather
+            _process_exchange.gather = gather
 
     def failed(what):
         """Runs ``what``; prints ``FAILED <seconds> <error>`` (one line) if it raises."""
@@ -181,7 +182,7 @@ def main() -> int:
     multihost_utils.sync_global_devices("write failed")
 
     # Process 1 freezes mid-restore: process 0 gives up after the wait bound.
-    local_tier.WAIT_SECONDS = 2.0
+    _process_exchange.WAIT_SECONDS = 2.0
     pid_file = os.path.join(other[0], "frozen.pid")
     if me == 1:
         with open(pid_file, "w") as f:

@@ -15,9 +15,11 @@ with a warning, when the newest one is damaged.
 
 This module owns the save and restore flow. The rest of the package: ``_layout``
 (what a step holds and its manifest), ``_fingerprint`` (content checks),
-``_restore`` (reading a state back into a target), ``_errors`` (damage or not, and
-the messages), ``_directory`` (the directory argument and what it must hold) and
-``_orbax_internals`` (the one place that relies on what orbax does not offer publicly).
+``_persistent_restore`` (a step read back, or the newest intact one), ``_restore``
+(reading a state back into a target), ``_errors`` (damage or not, and the messages),
+``_directory`` (the directory argument and what it must hold), ``_orbax_manager`` (the
+orbax manager underneath: its items and options), ``_orbax_internals`` (the one place
+that relies on what orbax does not offer publicly) and ``local`` (the local tier).
 
 Example:
   >>> with dt.checkpoint.CheckpointManager("/tmp/run1", save_interval_steps=100) as mgr:
@@ -32,44 +34,24 @@ Example:
 from __future__ import annotations
 
 import itertools
-import logging
 import os
-import time
-import uuid
 import warnings
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
-from orbax.checkpoint import checkpoint_managers as ocp_policies
 
 from distrain._src import verbosity
-from distrain._src.checkpoint import _directory, _errors, _fingerprint, _layout, _restore
+from distrain._src.checkpoint import _directory, _errors, _fingerprint, _layout
 from distrain._src.checkpoint import _orbax_internals as _internals
 from distrain._src.checkpoint import local as local_tier
-from distrain._src.checkpoint._layout import CheckpointCorruptionError, LeafInfo
+from distrain._src.checkpoint._layout import LeafInfo
+from distrain._src.checkpoint._orbax_manager import orbax_manager
+from distrain._src.checkpoint._persistent_restore import Restored, StepReader
 from distrain._src.pytree import PyTree
 from distrain._src.validate import optional_positive_int, positive_int
-
-
-class Restored(NamedTuple):
-    """What :meth:`CheckpointManager.restore` returns.
-
-    Attributes:
-      step: the step the checkpoint was saved at.
-      state: the restored state (the target's structure and placement if a target
-        was given; otherwise nested dicts/lists of NumPy arrays).
-      data_state: the ``data_state`` passed to ``save`` (None if none was).
-      metadata: the ``metadata`` passed to ``save`` (None if none was).
-    """
-
-    step: int
-    state: PyTree
-    data_state: dict[str, Any] | None
-    metadata: dict[str, Any] | None
-
 
 # Managers built so far in this process: all processes build them in the same order,
 # so the count names the same manager everywhere (see `_barrier_prefix`).
@@ -145,42 +127,15 @@ class CheckpointManager:
         self.restored_from: str | None = None
         self._barrier_prefix = f"distrain_ckpt{next(_instances)}"
         self._pending: tuple[int | None, str | None] = (None, None)  # save in flight
-        # Orbax says what read_only turns off (saving, creating, cleaning up) and that
-        # the directory is read-only, as warnings: all of it was asked for.
-        absl = logging.getLogger("absl")
-        absl.addFilter(_not_a_read_only_notice)
-        try:
-            options = ocp.CheckpointManagerOptions(
-                # Save exactly at multiples of the interval (orbax's default would also
-                # save the first step it sees). `save` decides before calling orbax (cheaper
-                # than orbax's should_save on every step); preemption saves use force=True.
-                save_decision_policy=ocp_policies.FixedIntervalPolicy(self._interval),
-                preservation_policy=ocp_policies.LatestN(n=self._max_to_keep),
-                enable_async_checkpointing=bool(async_save),
-                # Leftovers of a process killed mid-save; a follower must not touch the
-                # writer's saves in progress.
-                cleanup_tmp_directories=not self._read_only,
-                create=not self._read_only,
-                read_only=self._read_only,
-                # Orbax names its cross-process barriers after the operation and step only:
-                # two managers saving the same step at once (ModelCheckpoint and
-                # BackupAndRestore) would wait at the same barrier and fail with "Barrier ...
-                # is already ongoing". A prefix per manager keeps them apart.
-                multiprocessing_options=ocp.options.MultiprocessingOptions(
-                    barrier_sync_key_prefix=self._barrier_prefix
-                ),
-            )
-            self._mgr = ocp.CheckpointManager(
-                self._directory,
-                item_handlers={
-                    "state": _state_handler(),
-                    "data": ocp.JsonCheckpointHandler(),
-                    "meta": ocp.JsonCheckpointHandler(),
-                },
-                options=options,
-            )
-        finally:
-            absl.removeFilter(_not_a_read_only_notice)
+        self._mgr = orbax_manager(
+            self._directory,
+            interval=self._interval,
+            max_to_keep=self._max_to_keep,
+            async_save=bool(async_save),
+            read_only=self._read_only,
+            barrier_prefix=self._barrier_prefix,
+        )
+        self._reader = StepReader(self._mgr, self._directory, self._read_only, self._barrier_prefix)
         self._closed = False
 
     # ------------------------------------------------------------------ queries
@@ -412,143 +367,12 @@ class CheckpointManager:
                 self.restored_from = "peer" if local.from_peer else "local"
                 restored = Restored(local.step, local.state, local.data_state, local.metadata)
         if restored is None:
-            restored = self._restore_persistent(step, steps, target)
+            restored = self._reader.restore(step, steps, target)
             self.restored_from = None if restored is None else "persistent"
         if self._local is not None and target is not None:
             # The run goes on from here: local steps past it are of an abandoned timeline.
             self._local.drop_newer_than(-1 if restored is None else restored.step)
         return restored
-
-    def _restore_persistent(
-        self, step: int | None, steps: list[int], target: PyTree | None
-    ) -> Restored | None:
-        if step is not None:
-            if step not in steps:
-                raise ValueError(
-                    f"Expected `step` to be one of the checkpoints in {self._directory}: "
-                    f"{steps}; received {step!r}."
-                )
-            return self._restore_step(int(step), target)
-        failures = []
-        for s in sorted(steps, reverse=True):
-            try:
-                result = self._restore_step(s, target)
-            except CheckpointCorruptionError as e:
-                failures.append(f"step {s}: {e}")
-                aside = "the damaged step is left in place (read_only)"
-                if not self._read_only:
-                    aside = (
-                        f"the damaged step was renamed to {self._quarantine(s)!r} (set aside "
-                        "for inspection)"
-                    )
-                warnings.warn(
-                    f"{e}. Falling back to the previous checkpoint; {aside}.", stacklevel=2
-                )
-                continue
-            return result
-        if failures:
-            raise CheckpointCorruptionError(
-                f"No checkpoint in {self._directory} could be restored intact: "
-                + "; ".join(failures)
-                + ". Restore from a backup or start a new run in a new directory."
-            )
-        _directory.warn_if_not_a_checkpoint_directory(self._directory)
-        return None
-
-    def _read_side_items(self, step: int, where: str) -> tuple[list[LeafInfo], Any, Any]:
-        """The manifest, data position and metadata of ``step`` (raises on damage)."""
-        if not (self._directory / str(step) / "meta").exists():
-            if _internals.is_foreign(self._directory / str(step)):
-                raise _errors.Foreign(
-                    f"Expected a checkpoint written by dt.checkpoint.CheckpointManager in {where}, "
-                    "but it has no 'meta' item. Use orbax directly for other checkpoints."
-                )
-            raise CheckpointCorruptionError("its 'meta' item is missing")
-        _internals.check_json_metadata(self._directory / str(step))
-        side = self._mgr.restore(
-            step,
-            args=ocp.args.Composite(data=ocp.args.JsonRestore(), meta=ocp.args.JsonRestore()),
-        )
-        meta = _layout.unseal(side["meta"], "meta")
-        data = _layout.unseal(side["data"], "data")
-        manifest = meta["manifest"]
-        if manifest.get("format") != _layout.FORMAT:
-            raise CheckpointCorruptionError(
-                f"expected manifest format {_layout.FORMAT!r}, found {manifest.get('format')!r}"
-            )
-        leaves = [LeafInfo.from_json(d) for d in manifest["leaves"]]
-        return leaves, _layout.from_json(data["data_state"]), _layout.from_json(meta["metadata"])
-
-    def _restore_step(self, step: int, target: PyTree | None) -> Restored:
-        where = f"{self._directory / str(step)}"
-        # Every process reads, then all agree on the outcome before anyone goes on:
-        # a step damaged for one process is damaged for all.
-        code, error = _errors.OK, None
-        try:
-            leaves, data_state, metadata = self._read_side_items(step, where)
-        except Exception as e:  # noqa: BLE001 - classified below, re-raised on every process
-            code, error = _errors.outcome(e), e
-        code = _errors.worst(code)
-        if code == _errors.OK:
-            if target is not None:
-                _layout.check_compatible(leaves, target, where)
-            try:
-                state = self._restore_state(step, leaves, target)
-            except Exception as e:  # noqa: BLE001 - classified, re-raised on every process
-                code, error = _errors.outcome(e), e
-            code = _errors.worst(code)
-            if code == _errors.OK:
-                return Restored(step, state, data_state, metadata)
-        if isinstance(error, _errors.Foreign):
-            raise ValueError(str(error)) from None
-        if isinstance(error, _errors.TargetError):  # the target cannot hold it: the caller's error
-            raise error.error
-        if code == _errors.FAILED:
-            if error is None or _errors.is_damage(error):
-                raise RuntimeError(
-                    f"Could not restore checkpoint {where}: it failed on another process "
-                    "(see that process's error). The checkpoint was left in place."
-                )
-            raise _errors.restore_error(error, where) from error
-        reason = _errors.describe(error) if error is not None else "damaged on another process"
-        if isinstance(error, CheckpointCorruptionError):
-            reason = str(error)
-        raise CheckpointCorruptionError(
-            f"Checkpoint {where} is damaged: step {step} could not be read back intact ({reason})"
-        ) from error
-
-    def _restore_state(self, step: int, leaves: list[LeafInfo], target: PyTree | None) -> PyTree:
-        try:
-            return _restore.restore_state(self._mgr, step, leaves, target)
-        except CheckpointCorruptionError:
-            raise
-        except Exception as e:
-            if target is None:
-                if _errors.is_damage(e):
-                    raise CheckpointCorruptionError(_errors.describe(e)) from e
-                raise
-            # Was it the files or the target (e.g. a sharding on missing devices)?
-            # Reading the same step to host memory tells them apart.
-            try:
-                _restore.restore_state(self._mgr, step, leaves, None)
-            except Exception as e2:
-                if _errors.is_damage(e2):
-                    raise CheckpointCorruptionError(_errors.describe(e2)) from e2
-                raise
-            raise _errors.TargetError(e) from e
-
-    def _quarantine(self, step: int) -> str:
-        """Renames a damaged step aside (process 0 does it); returns the new name."""
-        stamp = time.strftime("%Y%m%dT%H%M%S")
-        name = f"{step}.corrupt-{stamp}-{uuid.uuid4().hex[:6]}"
-        if jax.process_index() == 0:
-            (self._directory / str(step)).rename(self._directory / name)
-        else:
-            name = f"{step}.corrupt-<time>-<id>"  # chosen by process 0
-        if jax.process_count() > 1:
-            ocp.multihost.sync_global_processes(f"{self._barrier_prefix}_quarantine_{step}")
-        self._mgr.reload()
-        return name
 
     # ---------------------------------------------------------------- lifecycle
     def wait_until_finished(self) -> None:
@@ -629,30 +453,3 @@ def _local_tier(
     tier = local_tier.LocalTier(*checked, positive_int("local_max_to_keep", keep))
     _directory.check_writable(tier.own)
     return tier
-
-
-def _state_handler() -> ocp.PyTreeCheckpointHandler:
-    """Orbax's pytree handler; on CPU without "replica-parallel" writes.
-
-    Replica-parallel saving splits each replicated array into one slice per device so
-    that every device copies a part to the host: worthwhile on accelerators, pure
-    overhead on CPU devices, which share host memory (125 eager slice ops and about a
-    third of the CPU time of a save for the MNIST MLP on 8 CPU devices).
-    """
-    if jax.default_backend() != "cpu":
-        return ocp.PyTreeCheckpointHandler()
-    handlers = [
-        (t, ocp.type_handlers.get_type_handler(t)) for t in ocp.type_handlers.supported_types()
-    ]
-    handlers = [
-        (t, ocp.type_handlers.ArrayHandler(use_replica_parallel=False) if t is jax.Array else h)
-        for t, h in handlers
-    ]
-    registry = ocp.type_handlers.create_type_handler_registry(*handlers)
-    return ocp.PyTreeCheckpointHandler(type_handler_registry=registry)
-
-
-def _not_a_read_only_notice(record: logging.LogRecord) -> bool:
-    """A log filter: drops orbax's notices about what ``read_only=True`` implies."""
-    message = record.getMessage()
-    return "read only" not in message and "read_only" not in message

@@ -92,6 +92,29 @@ def _check_int(name: str, value: Any, *, minimum: int) -> int:
     return int(value)
 
 
+def _steps_per_epoch(N: int, B: int, P: int, drop_remainder: bool, mask_key: str | None) -> int:
+    """Batches of ``B`` rows per epoch of ``N`` rows read by ``P`` processes; raises
+    ValueError for an epoch without a batch, or an unpadded last batch that does not
+    split over the processes."""
+    if drop_remainder:
+        if N < B:
+            raise ValueError(
+                f"global_batch_size ({B}) is larger than the dataset ({N} rows) with "
+                "drop_remainder=True, so an epoch has no batch. Use a smaller batch or "
+                "drop_remainder=False."
+            )
+        return N // B
+    rem = N % B
+    if rem and mask_key is None and rem % P:
+        raise ValueError(
+            f"With drop_remainder=False and no mask_key the last batch is not padded: it "
+            f"has {rem} rows (dataset {N} % global_batch_size {B}), which does not divide "
+            f"over process_count ({P}). Set mask_key to pad it to {B} rows, or "
+            "drop_remainder=True."
+        )
+    return -(-N // B)
+
+
 class ArrayPipeline:
     """Seeded shuffle, batch and per-process shard of in-memory arrays.
 
@@ -210,24 +233,7 @@ class ArrayPipeline:
                 )
         self.mask_key = mask_key
 
-        if self.drop_remainder:
-            if N < B:
-                raise ValueError(
-                    f"global_batch_size ({B}) is larger than the dataset ({N} rows) with "
-                    "drop_remainder=True, so an epoch has no batch. Use a smaller batch or "
-                    "drop_remainder=False."
-                )
-            self.steps_per_epoch = N // B
-        else:
-            self.steps_per_epoch = -(-N // B)
-            rem = N % B
-            if rem and mask_key is None and rem % P:
-                raise ValueError(
-                    f"With drop_remainder=False and no mask_key the last batch is not padded: it "
-                    f"has {rem} rows (dataset {N} % global_batch_size {B}), which does not divide "
-                    f"over process_count ({P}). Set mask_key to pad it to {B} rows, or "
-                    "drop_remainder=True."
-                )
+        self.steps_per_epoch = _steps_per_epoch(N, B, P, self.drop_remainder, mask_key)
         self.num_steps = None if self.num_epochs is None else self.steps_per_epoch * self.num_epochs
 
         self._perm_cache: dict[tuple[int, ...], np.ndarray] = {}

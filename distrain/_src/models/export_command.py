@@ -83,7 +83,7 @@ def main(argv: Sequence[str]) -> int:
     from distrain._src.models.family import family_of
     from distrain._src.models.run_reader import read_params
     from distrain._src.train.config import load_config
-    from distrain._src.train.run import resolve_callable
+    from distrain._src.train.import_paths import resolve_callable
 
     if os.getcwd() not in sys.path:
         sys.path.insert(0, os.getcwd())  # the config's import paths, as `distrain train`

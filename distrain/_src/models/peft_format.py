@@ -359,7 +359,28 @@ def load_adapter(path: str, model: nnx.Module, *, check_base: bool = True) -> Lo
             f"adapter in {path!r} ({sorted(values)[:3]}...). Load it onto the base model "
             "without adapters, or add_lora with the adapter's targets."
         )
-    for p, pair in sorted(values.items()):  # every check before the model changes
+    _check_shapes(path, values, layers, names, lora)  # before the model changes
+    if not adapted:
+        model = add_lora(model, lora, rngs=nnx.Rngs(0))  # its values are replaced below
+        layers = linear_paths(model)
+    for p, pair in values.items():
+        for leaf, x in pair.items():
+            var = getattr(layers[p], leaf)
+            var[...] = _like(x, var[...])
+    return lora
+
+
+def _check_shapes(
+    path: str,
+    values: dict[str, dict[str, np.ndarray]],
+    layers: dict[str, Any],
+    names: dict[str, Any],
+    lora: LoraConfig,
+) -> None:
+    """Raises ValueError unless every adapter pair of ``values`` fits its layer of the
+    model, and the layer's own adapter (if any) has the same rank and scale."""
+    r, alpha = lora.rank, lora.alpha
+    for p, pair in sorted(values.items()):
         layer = layers[p]
         d_in, d_out = layer.kernel.shape
         for leaf, want in (("lora_a", (d_in, r)), ("lora_b", (r, d_out))):
@@ -378,14 +399,6 @@ def load_adapter(path: str, model: nnx.Module, *, check_base: bool = True) -> Lo
                 f"{lora.scale} (lora_alpha={alpha}). add_lora with the adapter's rank and "
                 "alpha, or load it onto the base model without adapters."
             )
-    if not adapted:
-        model = add_lora(model, lora, rngs=nnx.Rngs(0))  # its values are replaced below
-        layers = linear_paths(model)
-    for p, pair in values.items():
-        for leaf, x in pair.items():
-            var = getattr(layers[p], leaf)
-            var[...] = _like(x, var[...])
-    return lora
 
 
 def _pattern(paths: list[str], layers: list[str]) -> str:

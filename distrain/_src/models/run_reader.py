@@ -26,7 +26,8 @@ def read_run(config: str, checkpoint: str, step: int | None, overrides: Sequence
     from flax import nnx
 
     from distrain._src.train.config import load_config
-    from distrain._src.train.run import build_strategy, resolve_callable
+    from distrain._src.train.import_paths import resolve_callable
+    from distrain._src.train.strategy_from_config import build_strategy
 
     cfg = load_config(config, list(overrides))
     model_fn = resolve_callable(cfg.model.fn, "model.fn")

@@ -31,13 +31,12 @@ Example:
     >>> coordinator.join()
     >>> results[-1].fetch()
 
-Size: ~520 lines: the coordinator, its queue of closures and the remote values they
-resolve share one lock and one failure path, so they stay together.
+The closures it queues, their queue and the remote values they resolve are
+``scheduled_functions.py``'s; they share the coordinator's lock and failure path.
 """
 
 from __future__ import annotations
 
-import heapq
 import threading
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -53,6 +52,7 @@ from distrain._src.ps.errors import (
     WorkerUnavailableError,
 )
 from distrain._src.ps.per_worker_datasets import PerWorkerDataset, PerWorkerIterator
+from distrain._src.ps.scheduled_functions import Closure, ClosureQueue, RemoteValue
 from distrain._src.ps.servers import ServerGroup, check_index
 from distrain._src.ps.step import WorkerStep
 from distrain._src.ps.worker import FAULT_POINTS
@@ -61,107 +61,6 @@ if TYPE_CHECKING:
     from distrain._src.ps.ps_strategy import ParameterServerStrategy
 
 _ADMIT_POLL_S = 0.05
-
-
-class RemoteValue:
-    """The future result of a scheduled function."""
-
-    def __init__(self, name: str):
-        self._name = name
-        self._event = threading.Event()
-        self._value: Any = None
-        self._error: BaseException | None = None
-
-    def _set(self, value: Any) -> None:
-        self._value = value
-        self._event.set()
-
-    def _fail(self, error: BaseException) -> None:
-        self._error = error
-        self._event.set()
-
-    def fetch(self, timeout: float | None = None) -> Any:
-        """Waits for the function and returns its outputs as NumPy arrays.
-
-        Raises:
-            TimeoutError: ``timeout`` seconds passed first.
-            Exception: the error the function raised, or `FunctionCancelledError`.
-        """
-        if not self._event.wait(timeout):
-            raise TimeoutError(f"{self._name} did not finish within {timeout} s.")
-        if self._error is not None:
-            raise self._error
-        return jax.device_get(self._value)
-
-    def __repr__(self) -> str:
-        state = "pending" if not self._event.is_set() else "failed" if self._error else "done"
-        return f"RemoteValue({self._name}, {state})"
-
-
-class _Closure:
-    __slots__ = ("seq", "step", "args", "kwargs", "value")
-
-    def __init__(self, seq: int, step: WorkerStep, args: tuple, kwargs: dict):
-        self.seq, self.step, self.args, self.kwargs = seq, step, args, kwargs
-        self.value = RemoteValue(f"step {seq} ({step!r})")
-
-    def __lt__(self, other: _Closure) -> bool:
-        return self.seq < other.seq
-
-
-class _Queue:
-    """Scheduled functions by step number, and how many are running."""
-
-    def __init__(self) -> None:
-        self._heap: list[_Closure] = []
-        self.cond = threading.Condition()
-        self.running = 0
-        self.stopped = False
-
-    def put(self, closure: _Closure, *, was_running: bool = False) -> None:
-        with self.cond:
-            heapq.heappush(self._heap, closure)
-            self.running -= int(was_running)
-            self.cond.notify_all()
-
-    def get(self) -> _Closure | None:
-        with self.cond:
-            self.cond.wait_for(lambda: self._heap or self.stopped)
-            if self.stopped:
-                return None
-            self.running += 1
-            return heapq.heappop(self._heap)
-
-    def swap_if_earlier(self, closure: _Closure) -> _Closure:
-        """Trades ``closure`` for a queued one with a smaller step number, if any."""
-        with self.cond:
-            if self._heap and self._heap[0].seq < closure.seq:
-                return heapq.heapreplace(self._heap, closure)
-            return closure
-
-    def done(self) -> None:
-        with self.cond:
-            self.running -= 1
-            self.cond.notify_all()
-
-    def drain(self) -> list[_Closure]:
-        with self.cond:
-            taken, self._heap = self._heap, []
-            self.cond.notify_all()
-            return taken
-
-    def idle(self) -> bool:
-        with self.cond:
-            return not self._heap and self.running == 0
-
-    def wait_idle(self, abort: Callable[[], bool]) -> None:
-        with self.cond:
-            self.cond.wait_for(lambda: (not self._heap and self.running == 0) or abort())
-
-    def stop(self) -> None:
-        with self.cond:
-            self.stopped = True
-            self.cond.notify_all()
 
 
 class ClusterCoordinator:
@@ -186,7 +85,7 @@ class ClusterCoordinator:
             )
         strategy.attach_coordinator(self)
         self._strategy = strategy
-        self._queue = _Queue()
+        self._queue = ClosureQueue()
         self._lock = threading.Lock()
         self._next_seq = 0
         self._error: BaseException | None = None
@@ -289,7 +188,7 @@ class ClusterCoordinator:
             seq = self._next_seq
             self._next_seq += 1
             self._counts["scheduled"] += 1
-            closure = _Closure(seq, fn, ref_args, ref_kwargs)
+            closure = Closure(seq, fn, ref_args, ref_kwargs)
             self._queue.put(closure)
         return closure.value
 
@@ -392,7 +291,7 @@ class ClusterCoordinator:
             closure.value._set(outputs)
             self._queue.done()
 
-    def _admit(self, closure: _Closure) -> _Closure | None:
+    def _admit(self, closure: Closure) -> Closure | None:
         """Waits until the servers admit a step; runs an earlier retried step meanwhile.
 
         Returns the step to run, or None if there is none (the coordinator is
@@ -410,7 +309,7 @@ class ClusterCoordinator:
                 return None
             closure = self._queue.swap_if_earlier(closure)
 
-    def _worker_died(self, worker: Worker, closure: _Closure, err: BaseException) -> None:
+    def _worker_died(self, worker: Worker, closure: Closure, err: BaseException) -> None:
         if self._queue.stopped:  # shutdown() killed it
             closure.value._fail(FunctionCancelledError("the coordinator was shut down"))
             self._queue.done()
@@ -435,7 +334,7 @@ class ClusterCoordinator:
             ),
         )
 
-    def _function_failed(self, closure: _Closure, err: BaseException) -> None:
+    def _function_failed(self, closure: Closure, err: BaseException) -> None:
         fatal = isinstance(err, ParameterServerUnavailableError | WorkerUnavailableError)
         cancelled = self._queue.drain()
         with self._lock:

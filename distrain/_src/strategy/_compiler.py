@@ -6,6 +6,8 @@ Who owns what:
   batches are split) and hands ``run`` to a :class:`ReplicaCompiler` it owns;
 * :class:`ReplicaCompiler` (this module) turns ``fn`` into one ``jax.jit`` program per
   argument *structure*, runs it, and bounds the calls in flight;
+* ``_global_program.py`` builds that program: one replica's trace, ``shard_map`` over
+  the replica (and group) axes, the results placed;
 * ``_replication.py`` decides which outputs are identical on every replica;
 * ``_cross_replica.py`` reduces and gathers the results.
 
@@ -42,20 +44,17 @@ the group's.
 from __future__ import annotations
 
 import collections
-import functools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.extend.core import jaxpr_as_fun
-from jax.sharding import PartitionSpec as P
 
 from distrain._src import context
 from distrain._src.context import ReplicaContext
-from distrain._src.strategy import _checks, layout
-from distrain._src.strategy._replication import collectives_over, varying_outputs
+from distrain._src.strategy import _checks
+from distrain._src.strategy._global_program import global_program, is_distributed, leaf_kinds
 from distrain._src.values import PerGroup, PerReplica
 
 if TYPE_CHECKING:
@@ -69,24 +68,6 @@ _ARRAY_TYPES: set[type] = set()
 
 def _is_per_replica(x: Any) -> bool:
     return isinstance(x, PerReplica)
-
-
-def _is_distributed(x: Any) -> bool:
-    return isinstance(x, PerReplica | PerGroup)
-
-
-def _kinds(tree: Any) -> dict[int, str]:
-    """``{leaf index: kind}`` of a pytree whose leaves are their flatten indices: the
-    leaves of ``PerReplica`` nodes are ``"split"`` or ``"stacked"``, of ``PerGroup``
-    nodes ``"group"``."""
-    kinds: dict[int, str] = {}
-    for node in jax.tree.leaves(tree, is_leaf=_is_distributed):
-        if isinstance(node, PerGroup):
-            kinds.update(dict.fromkeys(jax.tree.leaves(node.value), "group"))
-        elif isinstance(node, PerReplica):
-            kind = "stacked" if node.stacked else "split"
-            kinds.update(dict.fromkeys(jax.tree.leaves(node.value), kind))
-    return kinds
 
 
 class _Program:
@@ -180,7 +161,7 @@ class ReplicaCompiler:
         groups = strategy.replica_layout.group_axes
         per_group = n // int(np.prod([mesh.shape[a] for a in groups], dtype=int))
         flat, treedef = jax.tree.flatten((args, kwargs))
-        kinds = _kinds(jax.tree.unflatten(treedef, range(len(flat))))
+        kinds = leaf_kinds(jax.tree.unflatten(treedef, range(len(flat))))
 
         def local(i: int, x: Any) -> Any:
             if not isinstance(x, jax.Array | np.ndarray | np.generic | jax.ShapeDtypeStruct):
@@ -194,9 +175,9 @@ class ReplicaCompiler:
 
         avals = [local(i, x) for i, x in enumerate(flat)]
         local_args, local_kwargs = jax.tree.map(
-            lambda x: x.value if _is_distributed(x) else x,
+            lambda x: x.value if is_distributed(x) else x,
             jax.tree.unflatten(treedef, avals),
-            is_leaf=_is_distributed,
+            is_leaf=is_distributed,
         )
         ctx = ReplicaContext(
             strategy, axis, strategy.cross_device_ops, num_replicas=per_group if groups else None
@@ -245,144 +226,12 @@ class ReplicaCompiler:
         program = self._compiled.get(full_key)
         if program is None:
             donated = _donated_positions(args, key[2], treedef, static_idx)
-            global_fn = self._global_fn(fn, treedef, flat, static_idx)
+            global_fn = global_program(self._strategy, fn, treedef, flat, static_idx)
             program = _Program(jax.jit(global_fn, donate_argnums=donated), flat, static_idx)
             self._compiled[full_key] = program
         self._programs[key] = program
         skip = set(static_idx)
         return program, [x for i, x in enumerate(flat) if i not in skip]
-
-    def _global_fn(self, fn, treedef, flat, static_idx) -> Callable[..., Any]:
-        strategy = self._strategy
-        n, axis, mesh = strategy.num_replicas_in_sync, strategy.axis_name, strategy.mesh
-        spans = bool(strategy.inner_axes)
-        in_mesh = strategy.replica_layout.mesh_context
-        # Replica groups (DiLoCo's islands): an outer manual axis; the replica context,
-        # its collectives and its replica count stay inside the group.
-        groups = strategy.replica_layout.group_axes
-        g = int(np.prod([mesh.shape[a] for a in groups], dtype=int))
-        per_group = n // g
-        rep = (*groups, axis) if groups else axis
-        axis_env = [*((a, mesh.shape[a]) for a in groups), (axis, per_group)]
-
-        static = {i: flat[i] for i in static_idx}
-        n_leaves = len(flat)
-
-        def with_constants(arrays: Sequence[Any]) -> list[Any]:
-            it = iter(arrays)
-            return [static[i] if i in static else next(it) for i in range(n_leaves)]
-
-        # Which leaves are split over the replicas, which are stacked results (one row
-        # per replica) and which have a row per group, from the structure alone:
-        # PerReplica and PerGroup nodes in the treedef.
-        kinds = _kinds(treedef.unflatten(range(n_leaves)))
-        array_kinds = [kinds.get(i) for i in range(n_leaves) if i not in static]
-        # Replicas that span devices get their replica id as a first, split input:
-        # axis_index does not lower in a partly manual program without a context mesh.
-        in_kinds: list[str | None] = [*(["split"] * spans), *array_kinds]
-        in_varying = [k in ("split", "stacked") for k in in_kinds]  # over the replica axis
-        in_specs = tuple(
-            P(*groups) if k == "group" else P(rep) if k is not None else P() for k in in_kinds
-        )
-
-        def per_replica(*arrays: Any, elide: bool = False) -> Any:
-            replica_id = arrays[0][0] % per_group if spans else None
-            pairs = zip(arrays[spans:], array_kinds, strict=True)
-            local = [x[0] if k in ("stacked", "group") else x for x, k in pairs]
-            # Each replica sees the value of its part, not the PerReplica wrapper.
-            args, kwargs = jax.tree.map(
-                lambda x: x.value if _is_distributed(x) else x,
-                treedef.unflatten(with_constants(local)),
-                is_leaf=_is_distributed,
-            )
-            inputs = jax.tree.leaves((args, kwargs))
-            ctx = ReplicaContext(
-                strategy,
-                axis,
-                strategy.cross_device_ops,
-                replica_id,
-                elide,
-                num_replicas=per_group if groups else None,
-            )
-            with context._enter_scope(strategy), context._enter_replica(ctx):
-                out = fn(*args, **kwargs)
-            _checks.check_traced_step(fn, args, kwargs, inputs, out)
-            return out
-
-        def global_fn(*arrays: Any) -> Any:
-            if spans:
-                arrays = (jnp.arange(n, dtype=jnp.int32), *arrays)
-            local = [
-                _local_aval(x, {"split": n, "stacked": n, "group": g}.get(k or "", 1))
-                for x, k in zip(arrays, in_kinds, strict=True)
-            ]
-            with in_mesh():
-                closed, out_shape = jax.make_jaxpr(
-                    per_replica, axis_env=axis_env, return_shape=True
-                )(*local)
-            _checks.check_captured_consts(fn, closed.consts)
-            varying = varying_outputs(closed, in_varying, axis)  # the program as written
-            if groups:  # a result that differs across groups is per replica too
-                across = varying_outputs(closed, [k is not None for k in in_kinds], groups[0])
-            paths, out_tree = jax.tree_util.tree_flatten_with_path(out_shape)
-            out_groups = _group_paths(out_tree)
-            for i in out_groups:
-                if varying[i]:
-                    raise _group_varies(fn, paths[i][0])
-            if groups:
-                varying = [
-                    v or (a and i not in out_groups)
-                    for i, (v, a) in enumerate(zip(varying, across, strict=True))
-                ]
-            one = spans and n == 1
-            # What runs: the replica context's collectives over one replica elided
-            # (XLA rejects an all-reduce over a manual axis of size 1 beside auto axes).
-            if spans and per_group == 1:
-                with in_mesh():
-                    closed = jax.make_jaxpr(
-                        functools.partial(per_replica, elide=True), axis_env=axis_env
-                    )(*local)
-
-            def body(*xs: Any) -> list[Any]:
-                outs = jaxpr_as_fun(closed)(*xs)
-                # A replicated scalar that is ready when the program is: the host waits
-                # on it to bound the calls in flight (results may be donated later).
-                done = jnp.zeros((), jnp.int8)
-                rows = [
-                    o[None] if v or i in out_groups else o
-                    for i, (o, v) in enumerate(zip(outs, varying, strict=True))
-                ]
-                return [*rows, done]
-
-            out_specs = [
-                P(*groups) if i in out_groups else P(rep) if v else P()
-                for i, v in enumerate(varying)
-            ]
-            if one and collectives_over(closed, axis):  # a user's own collective
-                *outs, done = _one_replica(body, arrays, in_varying, axis)
-            elif one:  # the replica is the whole program: plain GSPMD
-                *outs, done = body(*arrays)
-            else:
-                *outs, done = jax.shard_map(
-                    body,
-                    mesh=mesh,
-                    in_specs=in_specs,
-                    out_specs=[*out_specs, P()],
-                    axis_names={*groups, axis},
-                    check_vma=False,
-                )(*arrays)
-            outs = [
-                _place_group(strategy, o, out_groups[i])
-                if i in out_groups
-                else PerReplica(_stacked(strategy, o) if spans else o, n, stacked=True)
-                if v
-                else _place_state(strategy, o, layout.path_str(p))
-                for i, (o, v, (p, _)) in enumerate(zip(outs, varying, paths, strict=True))
-            ]
-            return jax.tree.unflatten(out_tree, outs), done
-
-        global_fn.__name__ = f"replica_{_checks.fn_name(fn)}"
-        return global_fn
 
     def _home(self, tree: Any) -> Any:
         """Replicated results moved to where state lives (central storage)."""
@@ -410,39 +259,6 @@ class ReplicaCompiler:
             x if i in split else jax.device_put(x, self._strategy.replica_layout.replicated)
             for i, x in zip(positions, arrays, strict=True)
         ]
-
-
-def _one_replica(
-    body: Callable[..., list[Any]], arrays: Sequence[Any], in_varying: list[bool], axis: str
-) -> list[Any]:
-    """``body`` for a single replica spanning every device whose program all-reduces over
-    the replica axis (a user's ``lax.psum``): ``vmap`` over a replica axis of size 1, so
-    ``body`` sees its inputs and returns its results exactly as under ``shard_map``.
-    Slower than the plain program (batched matmuls of size 1 cost layout transposes)."""
-    xs = [x[None] if v else x for x, v in zip(arrays, in_varying, strict=True)]
-    in_axes = [0 if v else None for v in in_varying]
-    outs = jax.vmap(body, in_axes=in_axes, out_axes=0, axis_name=axis, axis_size=1)(*xs)
-    return [o[0] for o in outs]
-
-
-def _stacked(strategy: Strategy, x: jax.Array) -> jax.Array:
-    """A per-replica result whole on each device of its replica (one row per replica)."""
-    return jax.lax.with_sharding_constraint(x, strategy._stacked)
-
-
-def _place_state(strategy: Strategy, x: jax.Array, path: str = "") -> jax.Array:
-    """A replicated result laid out as the strategy keeps state of its shape and path.
-
-    A sharded layout on the mesh (one slice per replica, or split over a replica's
-    devices) costs no communication: every replica holds the whole value and keeps its
-    slice. Layouts off the mesh (central storage) are applied after the call.
-    """
-    target = strategy.state_sharding(x.shape, path)
-    if target is strategy._replicated or not isinstance(target, jax.sharding.NamedSharding):
-        return x
-    if target.is_fully_replicated or target.device_set != strategy._replicated.device_set:
-        return x  # off the compute devices (central storage): placed after the call
-    return jax.lax.with_sharding_constraint(x, target)
 
 
 def _donated_positions(
@@ -481,40 +297,3 @@ def _donated_positions(
         if i not in per_replica and i not in static
     }
     return tuple(sorted(position[i] for i in chosen))
-
-
-def _local_aval(x: Any, parts: int) -> jax.ShapeDtypeStruct:
-    """What one replica sees of ``x``, split in ``parts`` along its first axis (1: whole)."""
-    shape = tuple(x.shape)
-    if parts > 1:
-        shape = (shape[0] // parts, *shape[1:])
-    return jax.ShapeDtypeStruct(shape, x.dtype, weak_type=getattr(x, "weak_type", False))
-
-
-def _group_paths(out_tree: Any) -> dict[int, str]:
-    """``{output index: its path inside its PerGroup node}`` for the results a replica
-    function returns per group (the path is what layout rules match)."""
-    marked = out_tree.unflatten(range(out_tree.num_leaves))
-    out: dict[int, str] = {}
-    for node in jax.tree.leaves(marked, is_leaf=_is_distributed):
-        if isinstance(node, PerGroup):
-            for path, i in jax.tree_util.tree_flatten_with_path(node.value)[0]:
-                out[i] = layout.path_str(path)
-    return out
-
-
-def _group_varies(fn: Any, path: Any) -> ValueError:
-    return ValueError(
-        f"`{_checks.fn_name(fn)}` returned a state leaf ({layout.path_str(path)!r}) that "
-        "differs across the replicas of one island: inside an island the replicas must "
-        "keep one state. All-reduce the gradients before applying them (TrainState."
-        "apply_gradients does) or average the values with the replica context's "
-        "all_reduce."
-    )
-
-
-def _place_group(strategy: Strategy, x: jax.Array, path: str) -> jax.Array:
-    """A per-group result (leading group axis) laid out over the groups, and inside each
-    group as the strategy keeps state of its shape and path."""
-    target = strategy.replica_layout.group_sharding(tuple(x.shape), path)
-    return jax.lax.with_sharding_constraint(x, target)

@@ -33,8 +33,8 @@ import numpy as np
 import optax
 
 from distrain._src.train.callbacks.base import Callback, Logs, StepInfo
-from distrain._src.train.config import OptimizerConfig, ScheduleConfig
 from distrain._src.train.config_errors import ConfigError
+from distrain._src.train.training_config import OptimizerConfig, ScheduleConfig
 
 __all__ = [
     "WEIGHT_DECAY_MASKS",

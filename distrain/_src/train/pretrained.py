@@ -30,9 +30,10 @@ import jax
 from flax import nnx
 
 from distrain._src.models.lora import ADAPTERS, LoraConfig, add_lora, leaf_path
-from distrain._src.train.config import PRETRAINED_FN, RunConfig
+from distrain._src.train.config import RunConfig
 from distrain._src.train.config_errors import ConfigError
 from distrain._src.train.state import Base, TrainState
+from distrain._src.train.training_config import PRETRAINED_FN
 
 __all__ = ["abstract_model", "new_state", "pretrained_model", "with_lora_dropout"]
 

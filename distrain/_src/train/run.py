@@ -7,6 +7,10 @@ backups (``checkpoint.backup_dir``) keep the finished state until the final eval
 is, so a rerun after a kill there only evaluates, and its goodput ledger counts that
 kill as a failure.
 
+What a config's sections become is built beside it: ``strategy_from_config.py`` builds
+the strategy, ``data_from_config.py`` the data, ``import_paths.py`` imports the functions
+a config names; this module makes the model, state, steps and callbacks, and runs them.
+
 Example:
   >>> from distrain.config import load_config
   >>> result = run_config(load_config("configs/quickstart.yaml", ["train.epochs=1"]))
@@ -17,26 +21,25 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import difflib
 import functools
-import importlib
-import inspect
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 import jax
 
 from distrain._src.goodput.ledger import milestone
-from distrain._src.padding import MASK_KEY
-from distrain._src.train.config import RunConfig, StrategyConfig, config_to_dict
+from distrain._src.train.config import RunConfig, config_to_dict
 from distrain._src.train.config_errors import ConfigError
+from distrain._src.train.data_from_config import load_data, pipelines
+
+# imported by train/plan.py
+from distrain._src.train.data_from_config import load_data as _load_data  # noqa: F401
+from distrain._src.train.import_paths import resolve_callable
 from distrain._src.train.model_fn import check_call as _check_call
 from distrain._src.train.model_fn import split_model as _split_model
-
-if TYPE_CHECKING:
-    from distrain._src.strategy.base import Strategy
+from distrain._src.train.strategy_from_config import build_strategy
 
 __all__ = ["RunInterrupted", "RunResult", "build_strategy", "resolve_callable", "run_config"]
 
@@ -96,222 +99,6 @@ def _interrupted(trainer: Any, evaluating: bool = False) -> str:
         f"{where}; the newest backup is step {backup.newest_backup} in {backup.directory}: "
         "run the same command to continue from it"
     )
-
-
-def resolve_callable(path: str, field: str) -> Callable[..., Any]:
-    """Imports ``package.module:function`` (or ``package.module.function``).
-
-    Raises:
-      ConfigError: naming ``field``, if the module or attribute is missing (with the
-        closest attribute name) or the object is not callable.
-    """
-    obj = resolve_import(path, field)
-    if not callable(obj):
-        raise ConfigError(f"Config field {field!r}: {path!r} is not callable ({obj!r}).")
-    return obj
-
-
-def resolve_import(path: str, field: str) -> Any:
-    """The object ``package.module:name`` names (``resolve_callable`` without the
-    callable check)."""
-    if ":" in path:
-        module_name, _, attr = path.partition(":")
-    else:
-        module_name, _, attr = path.rpartition(".")
-    if not module_name or not attr:
-        raise ConfigError(
-            f"Config field {field!r} must be an import path 'package.module:function'. "
-            f"Received: {path!r}."
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as e:
-        raise ConfigError(
-            f"Config field {field!r}: cannot import module {module_name!r} ({e}). Is the "
-            "package installed or on PYTHONPATH (run from the directory that contains it)?"
-        ) from e
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            names = [n for n in dir(obj) if not n.startswith("_")]
-            close = difflib.get_close_matches(part, names, n=1)
-            hint = f" Did you mean {module_name}:{close[0]}?" if close else ""
-            raise ConfigError(
-                f"Config field {field!r}: module {module_name!r} has no attribute {part!r}.{hint}"
-            )
-        obj = getattr(obj, part)
-    return obj
-
-
-def build_strategy(cfg: StrategyConfig) -> Strategy:
-    """The strategy a config names (created first: multi-worker joins the cluster here)."""
-    from distrain._src.current import get_strategy
-    from distrain._src.islands.diloco_strategy import DiLoCoStrategy
-    from distrain._src.strategy.base import Strategy
-    from distrain._src.strategy.central_storage import CentralStorageStrategy
-    from distrain._src.strategy.mirrored import MirroredStrategy
-    from distrain._src.strategy.multi_worker import MultiWorkerMirroredStrategy
-    from distrain._src.strategy.one_device import OneDeviceStrategy
-    from distrain._src.strategy.tpu_strategy import TPUStrategy
-
-    layout = cfg.layout_kwargs()
-    if isinstance(cfg.layout, str):  # rules kept in code, e.g. the LM example's
-        layout["layout"] = resolve_import(cfg.layout, "strategy.layout")
-    if cfg.name == "mirrored":
-        return MirroredStrategy(cfg.devices, shard_state=cfg.shard_state, **layout)
-    if cfg.name == "one_device":
-        return OneDeviceStrategy(cfg.devices[0] if cfg.devices else jax.devices()[0])
-    if cfg.name == "default":
-        current = get_strategy()
-        if not isinstance(current, Strategy):
-            raise ConfigError(
-                "strategy.name=default trains on the current strategy, and the current one is "
-                f"{current!r}, which the Trainer does not run (it trains through a "
-                "coordinator). Call run_config outside its scope, or name a strategy: "
-                "mirrored, one_device, multi_worker_mirrored, central_storage or tpu."
-            )
-        return current
-    if cfg.name == "multi_worker_mirrored":
-        return MultiWorkerMirroredStrategy(shard_state=cfg.shard_state, **layout)
-    if cfg.name == "tpu":
-        from distrain._src.cluster import tpu_system
-
-        try:  # before the strategy joins a cluster or starts a backend
-            tpu_system.check_tpu_available("strategy.name=tpu (dt.TPUStrategy)")
-        except RuntimeError as e:
-            raise ConfigError(
-                f"{e} In a config: strategy.name=mirrored (this machine's devices) or "
-                "multi_worker_mirrored (several machines)."
-            ) from e
-        return TPUStrategy(shard_state=cfg.shard_state, **layout)
-    if cfg.name == "diloco" and cfg.islands is not None:
-        isl = cfg.islands
-        outer = isl.outer_optimizer
-        try:
-            return DiLoCoStrategy(
-                isl.islands,
-                isl.sync_every,
-                _optimizer(
-                    outer.name,
-                    outer.learning_rate,
-                    outer.kwargs,
-                    "strategy.islands.outer_optimizer",
-                ),
-                fragments=isl.fragments,
-                fragment_sync_delay=isl.fragment_sync_delay,
-                fragment_update_alpha=isl.fragment_update_alpha,
-                outer_dtype=isl.outer_dtype,
-                devices=cfg.devices,
-                **layout,
-            )
-        except ValueError as e:  # the strategy's own words name its Python argument
-            if not str(e).startswith(f"islands={isl.islands} must divide"):
-                raise
-            n = len(cfg.devices) if cfg.devices else jax.device_count()
-            raise ConfigError(
-                f"Config field 'strategy.islands.islands' ({isl.islands}) must divide the "
-                f"{n} devices (equal islands). Use one of "
-                f"{[d for d in range(1, n + 1) if n % d == 0]}, choose the devices with "
-                "strategy.devices=[...], or on a CPU start more (virtual) devices, as "
-                "docs/islands.md does: XLA_FLAGS=--xla_force_host_platform_device_count=8 "
-                "distrain train ..."
-            ) from e
-    return CentralStorageStrategy(compute_devices=cfg.devices)
-
-
-def _optimizer(
-    name: str, learning_rate: float, kwargs: Mapping[str, Any], section: str = "optimizer"
-) -> Any:
-    """``getattr(optax, name)(learning_rate, **kwargs)`` (``optimizer.optimizer_by_name``)."""
-    from distrain._src.train.optimizer import optimizer_by_name
-
-    return optimizer_by_name(name, learning_rate, kwargs, section=section)
-
-
-def _check_divisible(field: str, batch: int, num_replicas: int) -> None:
-    """A config batch size must split evenly over the replicas (each gets an equal share)."""
-    if batch % num_replicas:
-        lo, hi = batch // num_replicas * num_replicas, (batch // num_replicas + 1) * num_replicas
-        use = f"{lo} or {hi}" if lo else f"{hi}"
-        raise ConfigError(
-            f"Config field {field!r}: {field} ({batch}) must be divisible by the number of "
-            f"replicas ({num_replicas}): every replica gets an equal share of each "
-            f"batch. Use {use} (a multiple of {num_replicas}), or choose the devices with "
-            "strategy.devices=[...]."
-        )
-
-
-def _pipelines(cfg: RunConfig, splits: Any, num_replicas: int) -> dict[str, Iterable[Any]]:
-    from distrain._src.data.pipeline import ArrayPipeline
-
-    if not isinstance(splits, Mapping) or "train" not in splits:
-        got = sorted(splits) if isinstance(splits, Mapping) else type(splits).__name__
-        raise ConfigError(
-            f"Config field 'data.fn' must return a dict with a 'train' split (and usually "
-            f"'test'). {cfg.data.fn} returned: {got}."
-        )
-    out: dict[str, Iterable[Any]] = {}
-    eval_batch = cfg.data.eval_batch_size or cfg.data.global_batch_size
-    eval_field = "data.eval_batch_size" if cfg.data.eval_batch_size else "data.global_batch_size"
-    for name, split in splits.items():
-        if not isinstance(split, Mapping):
-            out[name] = split  # already an iterable of global batches
-            continue
-        field, batch = ("data.global_batch_size", cfg.data.global_batch_size)
-        if name != "train":
-            field, batch = eval_field, eval_batch
-        _check_divisible(field, batch, num_replicas)
-        try:
-            if name == "train":
-                out[name] = ArrayPipeline(
-                    dict(split),
-                    global_batch_size=batch,
-                    seed=cfg.seed,
-                    shuffle=cfg.data.shuffle,
-                    num_epochs=None,
-                    drop_remainder=True,
-                )
-            else:
-                out[name] = ArrayPipeline(
-                    dict(split),
-                    global_batch_size=batch,
-                    shuffle=False,
-                    num_epochs=1,
-                    drop_remainder=False,
-                    mask_key=MASK_KEY,
-                )
-        except ValueError as e:
-            raise ConfigError(
-                f"Config section 'data': the {name!r} split of {cfg.data.fn} with "
-                f"{field}={batch}: {e}"
-            ) from e
-    return out
-
-
-def _load_data(cfg: RunConfig, data_fn: Callable[..., Any]) -> Any:
-    """Calls ``data.fn``; data it cannot read or fetch becomes a ConfigError.
-
-    An ``OSError`` (a missing file, a download that fails: ``dt.data.load_mnist``
-    offline) is the machine's state, not a bug in the code, so it is reported as one
-    line naming the config field; the error's own message says what to do. A library
-    message may name keyword arguments of its own function: the line lists those
-    ``data.fn`` takes, the ones a config can set, as ``data.kwargs.NAME``.
-    """
-    try:
-        return data_fn(**cfg.data.kwargs)
-    except OSError as e:
-        try:
-            params = list(inspect.signature(data_fn).parameters.values())
-        except (TypeError, ValueError):
-            params = []
-        # Named ones only: `data.kwargs.kwargs` would set a keyword named "kwargs".
-        names = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
-        settable = ", ".join(f"data.kwargs.{n}" for n in names) or "none"
-        raise ConfigError(
-            f"Config field 'data.fn' ({cfg.data.fn}) could not load its data: {e} (From a "
-            f"config the arguments of {cfg.data.fn} are set as {settable}; "
-            "configs/quickstart.yaml trains on bundled data with no download.)"
-        ) from e
 
 
 def _callbacks(cfg: RunConfig, progress_bar: bool) -> list[Any]:
@@ -451,9 +238,7 @@ def run_config(
     """
     from distrain._src.train.callbacks.checkpointing import BackupAndRestore
     from distrain._src.train.callbacks.goodput import Goodput
-    from distrain._src.train.optimizer import LearningRateLogger, build_optimizer
-    from distrain._src.train.pretrained import new_state, pretrained_model, with_lora_dropout
-    from distrain._src.train.progress import steps_per_epoch_of
+    from distrain._src.train.optimizer import LearningRateLogger
     from distrain._src.train.trainer import Trainer
 
     start = time.perf_counter()
@@ -461,42 +246,9 @@ def run_config(
     chief = strategy.is_chief
     say = print_fn if (print_fn is not None and chief) else (lambda _msg: None)
     say(f"distrain train: {cfg.name} on {strategy!r} ({jax.devices()[0].platform})")
-
-    base = None  # a pretrained model's hash and path: what its checkpoints are checked by
-    if cfg.model.pretrained is not None:
-        apply_fn, params, base = pretrained_model(cfg, strategy, say)
-    else:
-        model_fn = resolve_callable(cfg.model.fn, "model.fn")
-        key = jax.random.key(cfg.seed)
-        _check_call(model_fn, "model", cfg.model.fn, key=key, **cfg.model.kwargs)
-        try:
-            apply_fn, params = _init_model(model_fn, key, **cfg.model.kwargs)
-        except TypeError as e:
-            raise ConfigError(f"Config field 'model.fn': {e}") from e
-    tx, schedule = build_optimizer(cfg.optimizer, run_steps=cfg.train.steps)
-    # One compiled call instead of one small program per optimizer-state leaf. The RNG
-    # is a raw uint32[2] key: typed key arrays cannot yet be placed across processes.
-    state = jax.jit(new_state(cfg, tx, base))(params, jax.random.PRNGKey(cfg.seed + 1))
-    milestone("model")
-
-    data_fn = resolve_callable(cfg.data.fn, "data.fn")
-    _check_call(data_fn, "data", cfg.data.fn, **cfg.data.kwargs)
-    data = _pipelines(cfg, _load_data(cfg, data_fn), strategy.num_replicas_in_sync)
-    milestone("data")
-    per_epoch = steps_per_epoch_of(data["train"])
-    if cfg.train.steps is None and cfg.train.epochs is not None and per_epoch is not None:
-        run = f"train.epochs={cfg.train.epochs} x {per_epoch} steps per epoch"
-        cfg.optimizer.check_warmup(cfg.train.epochs * per_epoch, run)
-
-    bind = dict(apply_fn=apply_fn, **cfg.train.step_kwargs)
-    train_fn = resolve_callable(cfg.train.train_step, "train.train_step")
-    _check_call(train_fn, "train", cfg.train.train_step, None, None, **bind)
-    train_step = with_lora_dropout(functools.partial(train_fn, **bind), cfg)
-    eval_step = None
-    if cfg.train.eval_step is not None:
-        eval_fn = resolve_callable(cfg.train.eval_step, "train.eval_step")
-        _check_call(eval_fn, "train", cfg.train.eval_step, None, None, **bind)
-        eval_step = functools.partial(eval_fn, **bind)
+    apply_fn, state, schedule = _model_and_state(cfg, strategy, say)
+    data = _data(cfg, strategy.num_replicas_in_sync)
+    train_step, eval_step = _steps(cfg, apply_fn)
 
     val_name = cfg.data.validation_split
     if val_name is not None and val_name not in data:
@@ -535,15 +287,7 @@ def run_config(
     ledger = next((c.ledger for c in configured if isinstance(c, Goodput)), None)
     test_metrics = None
     if eval_step is not None and "test" in data:
-        try:
-            with ledger.phase("evaluation") if ledger is not None else contextlib.nullcontext():
-                test_metrics = trainer.evaluate(state, data["test"])
-        except KeyboardInterrupt:
-            raise RunInterrupted(_interrupted(trainer, evaluating=True)) from None
-        shown = " ".join(f"{k}={v:.4f}" for k, v in test_metrics.items())
-        say(f"final test: {shown}")
-        if "accuracy" in test_metrics:
-            say(f"test accuracy: {100 * test_metrics['accuracy']:.2f}%")
+        test_metrics = _final_evaluation(trainer, state, data["test"], ledger, say)
     backup = next((c for c in configured if isinstance(c, BackupAndRestore)), None)
     if backup is not None and cfg.checkpoint.delete_backups:
         backup.delete_backups()
@@ -556,3 +300,81 @@ def run_config(
         ran += f", resumed at step {loop.initial_step}, now at {loop.global_step}"
     say(f"time: {seconds:.1f} s ({ran})")
     return RunResult(state, history, test_metrics, seconds)
+
+
+def _model_and_state(
+    cfg: RunConfig, strategy: Any, say: Callable[[str], None]
+) -> tuple[Callable[..., Any], Any, Any]:
+    """``(apply_fn, state, schedule)``: the model ``model`` names (or the pretrained one)
+    and its ``TrainState`` with the optimizer of ``optimizer`` (its schedule or None)."""
+    from distrain._src.train.optimizer import build_optimizer
+    from distrain._src.train.pretrained import new_state, pretrained_model
+
+    base = None  # a pretrained model's hash and path: what its checkpoints are checked by
+    if cfg.model.pretrained is not None:
+        apply_fn, params, base = pretrained_model(cfg, strategy, say)
+    else:
+        model_fn = resolve_callable(cfg.model.fn, "model.fn")
+        key = jax.random.key(cfg.seed)
+        _check_call(model_fn, "model", cfg.model.fn, key=key, **cfg.model.kwargs)
+        try:
+            apply_fn, params = _init_model(model_fn, key, **cfg.model.kwargs)
+        except TypeError as e:
+            raise ConfigError(f"Config field 'model.fn': {e}") from e
+    tx, schedule = build_optimizer(cfg.optimizer, run_steps=cfg.train.steps)
+    # One compiled call instead of one small program per optimizer-state leaf. The RNG
+    # is a raw uint32[2] key: typed key arrays cannot yet be placed across processes.
+    state = jax.jit(new_state(cfg, tx, base))(params, jax.random.PRNGKey(cfg.seed + 1))
+    milestone("model")
+    return apply_fn, state, schedule
+
+
+def _data(cfg: RunConfig, num_replicas: int) -> dict[str, Iterable[Any]]:
+    """The splits of ``data.fn``, batched; a run of epochs checks its warmup here (the
+    data says how long it is)."""
+    from distrain._src.train.progress import steps_per_epoch_of
+
+    data_fn = resolve_callable(cfg.data.fn, "data.fn")
+    _check_call(data_fn, "data", cfg.data.fn, **cfg.data.kwargs)
+    data = pipelines(cfg, load_data(cfg, data_fn), num_replicas)
+    milestone("data")
+    per_epoch = steps_per_epoch_of(data["train"])
+    if cfg.train.steps is None and cfg.train.epochs is not None and per_epoch is not None:
+        run = f"train.epochs={cfg.train.epochs} x {per_epoch} steps per epoch"
+        cfg.optimizer.check_warmup(cfg.train.epochs * per_epoch, run)
+    return data
+
+
+def _steps(
+    cfg: RunConfig, apply_fn: Callable[..., Any]
+) -> tuple[Callable[..., Any], Callable[..., Any] | None]:
+    """``train.train_step`` and ``train.eval_step`` (or None), with ``apply_fn`` and
+    ``train.step_kwargs`` bound."""
+    from distrain._src.train.pretrained import with_lora_dropout
+
+    bind = dict(apply_fn=apply_fn, **cfg.train.step_kwargs)
+    train_fn = resolve_callable(cfg.train.train_step, "train.train_step")
+    _check_call(train_fn, "train", cfg.train.train_step, None, None, **bind)
+    train_step = with_lora_dropout(functools.partial(train_fn, **bind), cfg)
+    eval_step = None
+    if cfg.train.eval_step is not None:
+        eval_fn = resolve_callable(cfg.train.eval_step, "train.eval_step")
+        _check_call(eval_fn, "train", cfg.train.eval_step, None, None, **bind)
+        eval_step = functools.partial(eval_fn, **bind)
+    return train_step, eval_step
+
+
+def _final_evaluation(
+    trainer: Any, state: Any, test: Iterable[Any], ledger: Any, say: Callable[[str], None]
+) -> dict[str, float]:
+    """The test split's metrics, printed; Ctrl-C here says the finished state is kept."""
+    try:
+        with ledger.phase("evaluation") if ledger is not None else contextlib.nullcontext():
+            test_metrics: dict[str, float] = trainer.evaluate(state, test)
+    except KeyboardInterrupt:
+        raise RunInterrupted(_interrupted(trainer, evaluating=True)) from None
+    shown = " ".join(f"{k}={v:.4f}" for k, v in test_metrics.items())
+    say(f"final test: {shown}")
+    if "accuracy" in test_metrics:
+        say(f"test accuracy: {100 * test_metrics['accuracy']:.2f}%")
+    return test_metrics

@@ -45,8 +45,10 @@ def _evaluator_config(cfg: RunConfig) -> RunConfig:
 
 def _parts(cfg: RunConfig) -> Any:
     """The evaluator's strategy, abstract state template, eval step and data."""
+    from distrain._src.train.data_from_config import load_data, pipelines
+    from distrain._src.train.import_paths import resolve_callable
+    from distrain._src.train.model_fn import check_call
     from distrain._src.train.plan import abstract_state
-    from distrain._src.train.run import _check_call, _load_data, _pipelines, resolve_callable
 
     if cfg.train.eval_step is None:
         raise ConfigError(
@@ -56,10 +58,10 @@ def _parts(cfg: RunConfig) -> Any:
     built = abstract_state(_evaluator_config(cfg))
     bind = dict(apply_fn=built.apply_fn, **cfg.train.step_kwargs)
     eval_fn = resolve_callable(cfg.train.eval_step, "train.eval_step")
-    _check_call(eval_fn, "train", cfg.train.eval_step, None, None, **bind)
+    check_call(eval_fn, "train", cfg.train.eval_step, None, None, **bind)
     data_fn = resolve_callable(cfg.data.fn, "data.fn")
-    _check_call(data_fn, "data", cfg.data.fn, **cfg.data.kwargs)
-    splits = _pipelines(cfg, _load_data(cfg, data_fn), built.strategy.num_replicas_in_sync)
+    check_call(data_fn, "data", cfg.data.fn, **cfg.data.kwargs)
+    splits = pipelines(cfg, load_data(cfg, data_fn), built.strategy.num_replicas_in_sync)
     split = cfg.evaluator.split
     if split not in splits:
         raise ConfigError(

@@ -25,12 +25,12 @@ dispatch ``i-2`` before queueing ``i``), so the host runs ahead of the devices.
 The seams: ``_input`` decides where the input lives and distributes it (the one input
 route); ``_steps`` turns batches into compiled dispatches and keeps the on-device
 metric window; ``_inference`` runs evaluate and predict; ``progress`` tracks passes and
-positions. This module is the loop: epochs, callbacks, validation, resume.
+positions; ``progress_record`` writes the record checkpoints store and reads it back.
+This module is the loop: epochs, callbacks, validation, resume.
 """
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -50,6 +50,11 @@ from distrain._src.train.callbacks.base import Callback, CallbackList, StepInfo
 from distrain._src.train.callbacks.control import TerminateOnNaN
 from distrain._src.train.history import History
 from distrain._src.train.progress import DataEndedError, LoopState, PassIterator, steps_per_epoch_of
+from distrain._src.train.progress_record import (
+    progress_record,
+    restore_loop,
+    warn_unless_resuming_callback,
+)
 from distrain._src.validate import non_negative_int, optional_positive_int, positive_int
 
 __all__ = ["DataEndedError", "Trainer"]
@@ -220,19 +225,7 @@ class Trainer:
         ``state_dict()`` (those that have one) by ``state_key``. ``BackupAndRestore``
         saves this and hands it back to :meth:`resume`.
         """
-        sums = None
-        if self._steps is not None:
-            self._steps.flush(self.loop.global_step)
-            sums = None if self._epoch_done else self._steps.epoch_sums_json()
-        done = self._epoch_done
-        return {
-            "epoch": self.loop.epoch + 1 if done else self.loop.epoch,
-            "step_in_epoch": 0 if done else self.loop.step_in_epoch,
-            "global_step": self.loop.global_step,
-            "history": self.loop.history.to_dict(),
-            "epoch_sums": sums,
-            "callbacks": self._cbs.state_dicts() if self._cbs is not None else {},
-        }
+        return progress_record(self.loop, self._steps, self._epoch_done, self._cbs)
 
     def data_state(self) -> dict[str, Any]:
         """The training input's position (``{"iterator": state or None, ...}``)."""
@@ -250,24 +243,9 @@ class Trainer:
         """
         if not self.loop.in_fit or self._passes is None or self._cbs is None:
             raise RuntimeError("`Trainer.resume` can only be called during fit (on_train_begin).")
-        if not self._cbs.accepts_resume:
-            # Deprecated for a release, then an error: the callbacks that began before
-            # this one saw step 0 (a logger among them overwrote the resumed run's logs).
-            warnings.warn(
-                "`Trainer.resume` was called outside the on_train_begin of a callback that "
-                "sets `restores_progress = True`; this will be an error in the next release. "
-                "Set that class attribute on the callback that resumes: its on_train_begin "
-                "then runs before the others', so loggers see the resumed step instead of "
-                "overwriting the logs of the run being resumed.",
-                DeprecationWarning,
-                stacklevel=2,
-            )
+        warn_unless_resuming_callback(self._cbs)
         self.state = state
-        self.loop.epoch = self.loop.initial_epoch = int(progress["epoch"])
-        self.loop.global_step = self.loop.initial_step = int(progress["global_step"])
-        self.loop.step_in_epoch = int(progress.get("step_in_epoch", 0))
-        self.loop.history = History.from_dict(progress.get("history") or {})
-        self._resumed_sums = progress.get("epoch_sums")
+        self._resumed_sums = restore_loop(self.loop, progress)
         self._passes.restore(data_state, self.loop.step_in_epoch)
         self._cbs.load_state_dicts(progress.get("callbacks") or {})
 
@@ -358,19 +336,7 @@ class Trainer:
             logs: dict[str, float] = {}
             while not (self.stop_training or self.loop.finished()):
                 logs = self._run_epoch(cbs)
-                # Absolute epoch numbers, so a resumed run validates after the same epochs.
-                if validation_data is not None and (self.loop.epoch + 1) % validation_freq == 0:
-                    settle_steps(self.state)
-                    val = self.evaluate(
-                        self.state, validation_data, steps=validation_steps, _callbacks=cbs
-                    )
-                    logs.update({f"val_{k}": v for k, v in val.items()})
-                self.loop.history.append(self.loop.epoch, logs)
-                self._epoch_done = True
-                cbs.call("on_epoch_end", self.loop.epoch, logs)
-                self._epoch_done = False
-                self.loop.epoch += 1
-                self.loop.step_in_epoch = 0
+                self._end_epoch(cbs, logs, validation_data, validation_freq, validation_steps)
                 if self.stop_training:
                     break
             heartbeat.pause()  # what follows the loop is not watched for hangs
@@ -383,6 +349,28 @@ class Trainer:
             self.loop.in_fit = False
             goodput.set_current(None)  # set by a dt.callbacks.Goodput of this fit
         return self.state, self.loop.history
+
+    def _end_epoch(
+        self,
+        cbs: CallbackList,
+        logs: dict[str, float],
+        validation_data: Iterable[Any] | None,
+        validation_freq: int,
+        validation_steps: int | None,
+    ) -> None:
+        """Validates (every ``validation_freq`` epochs), records the epoch's logs and
+        calls ``on_epoch_end``; the loop then stands at the next epoch."""
+        # Absolute epoch numbers, so a resumed run validates after the same epochs.
+        if validation_data is not None and (self.loop.epoch + 1) % validation_freq == 0:
+            settle_steps(self.state)
+            val = self.evaluate(self.state, validation_data, steps=validation_steps, _callbacks=cbs)
+            logs.update({f"val_{k}": v for k, v in val.items()})
+        self.loop.history.append(self.loop.epoch, logs)
+        self._epoch_done = True
+        cbs.call("on_epoch_end", self.loop.epoch, logs)
+        self._epoch_done = False
+        self.loop.epoch += 1
+        self.loop.step_in_epoch = 0
 
     def _run_epoch(self, cbs: CallbackList) -> dict[str, float]:
         """Runs one epoch's steps; returns the epoch's training metrics."""
