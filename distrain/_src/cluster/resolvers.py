@@ -4,7 +4,7 @@ A resolver answers the questions `jax.distributed.initialize` needs (the
 coordinator's address, how many processes, this process's id, which local
 devices it drives) plus the tf.distribute ones (task type, task id, chief).
 It only reads configuration; it never starts anything. `initialize_distributed`
-(in `distrain/cluster/runtime.py`) turns a resolver into a running JAX cluster.
+(in `distrain/_src/cluster/runtime.py`) turns a resolver into a running JAX cluster.
 
 Sources, in the order `resolve_cluster()` tries them:
 
