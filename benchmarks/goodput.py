@@ -18,11 +18,14 @@ Three arms, one after the other, each its own job:
 Each arm's ``kill_to_first_step_s`` lists, per failure, the seconds from the signal to
 the first step the next attempt finished (the chief's ledger).
 All use JAX's persistent compilation cache (``--no-compile-cache`` to turn it off),
-shared by the attempts of an arm.
+shared by the attempts of an arm, and ``distrain launch``'s warm spares (``--no-spares``:
+every restart starts cold; ``restarts_in_warm_spares`` counts the attempts that ran in
+spares). The load average before and after is recorded (``load_average``).
 
 Usage:
   python -m benchmarks.goodput                      # configs/lm_tiny.yaml, kills every 120 s
   python -m benchmarks.goodput --toy                # the quickstart, one kill (a smoke run)
+  python -m benchmarks.goodput --arms local --steps 600 --max-kills 3 --no-spares  # cold
 
 Then measures what the local tier's exchange holds beyond the state
 (``benchmarks/local_exchange.py``: ``local_exchange_chunk_bytes`` and
@@ -37,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -50,14 +54,17 @@ from benchmarks import local_exchange, portable
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def _workers(launcher_pid: int) -> list[int]:
-    import psutil
+_PIDS = re.compile(r"^\[launch\] (process \d+ is pid \d+(, )?)+$")
 
-    try:
-        children = psutil.Process(launcher_pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    return [c.pid for c in children if "train" in " ".join(c.cmdline())]
+
+def _follow(proc: subprocess.Popen, lines: list[str], pids: list[int]) -> None:
+    """Collects the launcher's output and keeps ``pids`` at the running attempt's workers
+    (its "process i is pid P" line: a worker may run in a warm spare, whose command line
+    is not the program's)."""
+    for line in proc.stdout:
+        lines.append(line)
+        if _PIDS.match(line.strip()):
+            pids[:] = [int(p) for p in re.findall(r"is pid (\d+)", line)]
 
 
 def _run_arm(args: argparse.Namespace, overrides: list[str], arm: str) -> dict:
@@ -81,6 +88,7 @@ def _run_arm(args: argparse.Namespace, overrides: list[str], arm: str) -> dict:
         str(args.max_kills + 1),
         "--hang-timeout",
         f"{args.hang_timeout:g}",
+        "--spares" if args.spares else "--no-spares",
         "--",
         "distrain",
         "train",
@@ -110,6 +118,10 @@ def _run_arm(args: argparse.Namespace, overrides: list[str], arm: str) -> dict:
         start_new_session=True,
     )
     kills: list[float] = []
+    lines: list[str] = []
+    pids: list[int] = []
+    follower = threading.Thread(target=_follow, args=(proc, lines, pids), daemon=True)
+    follower.start()
     first_save = min(args.local_freq if local else args.backup_freq, args.backup_freq)
 
     def trained_past(step: int, killed: set[str]) -> str | None:
@@ -137,7 +149,6 @@ def _run_arm(args: argparse.Namespace, overrides: list[str], arm: str) -> dict:
             attempt = trained_past(first_save + 10, killed)
             if attempt is None or time.time() - since < args.kill_every:
                 continue
-            pids = _workers(proc.pid)
             if proc.poll() is None and pids:
                 os.kill(pids[-1], signal.SIGSTOP if hang else signal.SIGKILL)
                 kills.append(time.time() - began)
@@ -147,7 +158,9 @@ def _run_arm(args: argparse.Namespace, overrides: list[str], arm: str) -> dict:
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()
     try:
-        out, _ = proc.communicate(timeout=args.kill_every * (args.max_kills + 2) + 1800)
+        proc.wait(timeout=args.kill_every * (args.max_kills + 2) + 1800)
+        follower.join(timeout=30)
+        out = "".join(lines)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
@@ -168,6 +181,8 @@ def _run_arm(args: argparse.Namespace, overrides: list[str], arm: str) -> dict:
     detected = [a.after_hang["detected"] for a in r.attempts if a.after_hang]
     return {
         "tier": "local" if local else "persistent",
+        "spares": args.spares,
+        "restarts_in_warm_spares": len(re.findall(r"run in warm spares", out)),
         "signal": "SIGSTOP" if hang else "SIGKILL",
         "kill_to_first_step_s": _to_first_step(r.attempts, signals),
         **(
@@ -209,15 +224,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--arms", default="local,persistent,hang", help="which arms, comma-separated")
     p.add_argument("--no-compile-cache", dest="compile_cache", action="store_false")
     p.add_argument(
+        "--spares",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="distrain launch --spares / --no-spares: restarts in warm spares (default on)",
+    )
+    p.add_argument(
         "--hang-timeout", type=float, default=30.0, help="distrain launch --hang-timeout (s)"
     )
     p.add_argument("--toy", action="store_true", help="the quickstart, one kill (smoke run)")
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="another config override for the job (repeatable), e.g. train.epochs=null",
+    )
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "goodput.json"))
     args = p.parse_args(argv)
-    overrides = [f"train.steps={args.steps}"]
+    overrides = [f"train.steps={args.steps}", *args.set]
     if args.toy:
         args.config, args.kill_every, args.max_kills = "configs/quickstart.yaml", 0.0, 1
         overrides = ["train.epochs=30", "train.validation_freq=100"]
+    load_before = list(os.getloadavg())
     arms = {name: _run_arm(args, overrides, name) for name in args.arms.split(",")}
     exchange = {} if args.toy else local_exchange.measure()  # the toy run stays short
     main_arm = arms.get("local") or next(iter(arms.values()))
@@ -229,6 +258,7 @@ def main(argv: list[str] | None = None) -> int:
         "persistent_freq": args.persistent_freq,
         "backup_freq_without_local": args.backup_freq,
         "compile_cache": args.compile_cache,
+        "load_average": {"before": load_before, "after": list(os.getloadavg())},
         # The headline fields are the local arm's (the issue's run).
         **{k: v for k, v in main_arm.items() if k != "report"},
         "restore_local_s": _mean(

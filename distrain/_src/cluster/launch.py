@@ -14,7 +14,10 @@ CUDA_VISIBLE_DEVICES (without it every process sees every GPU).
 When a process exits with a non-zero status (or is killed), the launcher kills
 the others at once (SIGKILL to each process group: without the failed process
 they cannot save anyway) and starts all N again on a fresh port, up to
-`--max-restarts` times; the program resumes from its latest checkpoint.
+`--max-restarts` times; the program resumes from its latest checkpoint. With
+`--spares` (the default for a Python program of the launcher's environment) a
+restarted process runs in a warm spare that has already imported the libraries
+(``spares``), not in a new interpreter.
 
 A process that exits with `dt.checkpoint.PREEMPTION_EXIT_CODE` (143: it saved
 after SIGTERM, run again to continue) was preempted, not failed: the others get
@@ -104,6 +107,9 @@ exit status and restarts:
   exited 143, else 130.
   Otherwise the status is the last attempt's: 0, the failing process's status,
   or 128+signal; 127 (not found) or 126 when the program cannot be started.
+  A restart hands each rank to its warm spare when there is one (--spares):
+  the same program, environment, output prefix and exit status, without a new
+  interpreter's imports.
 
 program:
   Found on PATH, else next to this launcher's Python (e.g. .venv/bin/distrain
@@ -162,6 +168,39 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="GPUs per process: process i gets GPUs i*G .. i*G+G-1 of this machine (of "
         "CUDA_VISIBLE_DEVICES if set) through CUDA_VISIBLE_DEVICES, and DISTRAIN_LOCAL_DEVICES=G",
     )
+    _add_restart_arguments(parser)
+    parser.add_argument(
+        "--port",
+        type=_port,
+        default=0,
+        help="coordinator port, listened on at 127.0.0.1 only (default: a free port, a new one "
+        "per attempt)",
+    )
+    parser.add_argument(
+        "--timeout",
+        type=_positive_float,
+        default=None,
+        metavar="S",
+        help="sets DISTRAIN_TIMEOUT_SECONDS: every process must join within S s, and a process "
+        "that sends no heartbeat for S s counts as dead, which ends the others "
+        "(default: 300 s to join, 20 s heartbeat)",
+    )
+    parser.add_argument(
+        "--evaluator",
+        action="store_true",
+        help="also start the evaluator task: one more process of the program, outside the "
+        "workers' jax.distributed world and not counted in --nproc, with "
+        "DISTRAIN_TASK_TYPE=evaluator (`distrain train` then follows the checkpoints with "
+        "dt.SidecarEvaluator); restarted alone after a failure (up to --max-restarts), it "
+        "ends after the workers' final checkpoint",
+    )
+    parser.add_argument(
+        "command", nargs=argparse.REMAINDER, help="-- then the program and its arguments"
+    )
+
+
+def _add_restart_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of what happens after a failure, a preemption or a hang."""
     parser.add_argument(
         "--max-restarts",
         type=_non_negative_int,
@@ -179,22 +218,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"with {PREEMPTION_EXIT_CODE} (dt.checkpoint.PREEMPTION_EXIT_CODE, 'saved after "
         "SIGTERM') while the launcher itself was not stopped (default 10; 0: exit 143 at "
         "the first)",
-    )
-    parser.add_argument(
-        "--port",
-        type=_port,
-        default=0,
-        help="coordinator port, listened on at 127.0.0.1 only (default: a free port, a new one "
-        "per attempt)",
-    )
-    parser.add_argument(
-        "--timeout",
-        type=_positive_float,
-        default=None,
-        metavar="S",
-        help="sets DISTRAIN_TIMEOUT_SECONDS: every process must join within S s, and a process "
-        "that sends no heartbeat for S s counts as dead, which ends the others "
-        "(default: 300 s to join, 20 s heartbeat)",
     )
     parser.add_argument(
         "--grace-period",
@@ -216,16 +239,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "dt.goodput's Ledger.progress) on; 0 turns it off (default 600)",
     )
     parser.add_argument(
-        "--evaluator",
-        action="store_true",
-        help="also start the evaluator task: one more process of the program, outside the "
-        "workers' jax.distributed world and not counted in --nproc, with "
-        "DISTRAIN_TASK_TYPE=evaluator (`distrain train` then follows the checkpoints with "
-        "dt.SidecarEvaluator); restarted alone after a failure (up to --max-restarts), it "
-        "ends after the workers' final checkpoint",
-    )
-    parser.add_argument(
-        "command", nargs=argparse.REMAINDER, help="-- then the program and its arguments"
+        "--spares",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="keep a warm spare beside each process: a Python that has imported jax, flax, "
+        "optax, orbax, grain and distrain and waits; a restart hands each rank to its spare "
+        "instead of starting a new interpreter (docs/fault_tolerance.md). Default: on when "
+        "the program is a Python program of this launcher's environment (`python SCRIPT`, "
+        "`-m MODULE`, `-c CODE`, a console script such as `distrain`), else off",
     )
 
 

@@ -1,6 +1,7 @@
 """Supervision of one job's processes: start them, wait, restart them after a failure, a
 preemption or a hang (`distrain launch`; an island of `distrain launch --islands` has one
-supervisor of its own)."""
+supervisor of its own). A restarted process runs in its rank's warm spare when one is
+ready (``spares``), else starts cold."""
 
 from __future__ import annotations
 
@@ -22,7 +23,16 @@ from distrain._src.cluster.processes import (
     status_text,
     stop_all,
 )
+from distrain._src.cluster.spares import Pool, spare_form
 from distrain._src.goodput import heartbeat
+
+#: Spares start ``SPARES_SETTLE_S`` after every process of the attempt finished a step
+#: past the first its heartbeat showed (its start-up, restore and first compilation are
+#: over), or ``SPARES_AFTER_S`` after the attempt started when no heartbeat says so: not
+#: while the workers start up, which their imports (about 3 s of CPU each) would slow down
+#: on a machine with few cores.
+SPARES_SETTLE_S = 5.0
+SPARES_AFTER_S = 60.0
 
 
 class Supervisor:
@@ -47,6 +57,34 @@ class Supervisor:
         hang = getattr(args, "hang_timeout", 0) if args.nproc else 0
         self.watch = heartbeat.Watch(args.nproc, hang) if hang else None
         self.hang: heartbeat.Stall | None = None  # the stall that ended the last attempt
+        self.pool = self._pool()
+        self._spares_due = 0.0  # when the pool may (re)fill next: inf until the attempt ran
+        self._can_restart = True  # a restart (or preemption) is left: spares may be used
+
+    def _pool(self) -> Pool | None:
+        """The warm spares (``--spares``; not for islands yet), or None."""
+        wanted = getattr(self.args, "spares", None)
+        if wanted is False or not self.args.nproc or getattr(self.args, "islands", None):
+            return None
+        form = spare_form(self.command)
+        if form is None:
+            if wanted:  # asked for explicitly: say why there are none
+                self.log(
+                    "--spares: no warm spares for this command, every restart starts cold "
+                    "(expected a Python program of this launcher's environment: `python "
+                    "SCRIPT`, `python -m MODULE`, `python -c CODE` or a console script such "
+                    f"as `distrain`; received {self.command[0]!r})"
+                )
+            return None
+        return Pool(self.command, form, self.args.nproc, env_for=self._spare_env, log=self.log)
+
+    def _env(self, i: int, port: int, attempt: int, extra: dict[str, str]) -> dict[str, str]:
+        """Process ``i``'s environment in an attempt."""
+        beat = self.watch.env(i) if self.watch is not None else {}
+        return {**child_env(self.args, i, port, attempt), **self.env, **beat, **extra}
+
+    def _spare_env(self, i: int) -> dict[str, str]:
+        return self._env(i, 0, 0, {})  # the pool drops what changes per attempt
 
     def stop(self) -> None:
         """From another thread: restart nothing more, and end the running attempt as a
@@ -86,6 +124,7 @@ class Supervisor:
         procs: list[subprocess.Popen] = []
         self.procs = procs
         pumps: list[threading.Thread] = []
+        warm: list[str] = []  # the processes that run in warm spares
         preempted = False
         after_hang = {heartbeat.ENV_AFTER_HANG: self.hang.to_env()} if self.hang else {}
         self.hang = None
@@ -93,28 +132,9 @@ class Supervisor:
             self.watch.reset()
         try:
             for i in range(self.args.nproc):
-                beat = self.watch.env(i) if self.watch is not None else {}
-                try:
-                    proc = subprocess.Popen(
-                        self.command,
-                        env={
-                            **child_env(self.args, i, port, attempt),
-                            **self.env,
-                            **beat,
-                            **after_hang,
-                        },
-                        stdin=subprocess.DEVNULL,
-                        stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT,
-                        start_new_session=True,  # its own process group, stopped as a unit
-                    )
-                except OSError as e:  # e.g. an exec format error the check could not see
-                    raise CannotStart(
-                        f"cannot start {self.command[0]!r}: {e.strerror or e}. Expected a "
-                        "program that runs on this machine.",
-                        127 if isinstance(e, FileNotFoundError) else 126,
-                    ) from None
+                proc, spare = self._start(i, self._env(i, port, attempt, after_hang))
                 procs.append(proc)
+                warm += [str(i)] if spare else []
                 pump = threading.Thread(
                     target=prefix_lines,
                     args=(proc.stdout, f"[{self.name}{i}] ".encode(), self.out, self.lock),
@@ -124,6 +144,11 @@ class Supervisor:
                 pumps.append(pump)
             # The ids to signal by hand (`kill -9 PID`: the fault tolerance, tried out).
             self.log(", ".join(f"process {i} is pid {p.pid}" for i, p in enumerate(procs)))
+            if warm:
+                self.log(f"process(es) {', '.join(warm)} run in warm spares")
+            self._spares_due = float("inf")  # after this attempt's first steps (_wait)
+            self._started = self._next_look = time.monotonic()
+            self._first_steps: dict[int, int] = {}
             failure = self._wait(procs)
             if self.stopped:
                 pass  # stop(): the finally below ends the processes; no failure to report
@@ -154,6 +179,57 @@ class Supervisor:
             return 0, False
         return exit_code(failure[1]), preempted
 
+    def _start(self, i: int, env: dict[str, str]) -> tuple[subprocess.Popen, bool]:
+        """Process ``i``: its warm spare handed the rank (True), or a new process."""
+        if self.pool is not None:
+            proc = self.pool.take(i, env)
+            if proc is not None:
+                return proc, True
+        try:
+            proc = subprocess.Popen(
+                self.command,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # its own process group, stopped as a unit
+            )
+        except OSError as e:  # e.g. an exec format error the check could not see
+            raise CannotStart(
+                f"cannot start {self.command[0]!r}: {e.strerror or e}. Expected a "
+                "program that runs on this machine.",
+                127 if isinstance(e, FileNotFoundError) else 126,
+            ) from None
+        return proc, False
+
+    def _tend_spares(self, procs: list[subprocess.Popen]) -> None:
+        """(Re)fills the pool once the attempt's processes are past their start-up."""
+        if self.pool is None or not self._can_restart:
+            return
+        now = time.monotonic()
+        if self._spares_due == float("inf"):
+            if now < self._next_look:
+                return
+            self._next_look = now + 0.5
+            if self._trained() or now - self._started >= SPARES_AFTER_S:
+                self._spares_due = now + SPARES_SETTLE_S
+        if now >= self._spares_due and any(p.poll() is None for p in procs):
+            self._spares_due = now + 0.5
+            self.pool.fill()
+
+    def _trained(self) -> bool:
+        """Whether every process finished a step past the first its heartbeat showed."""
+        if self.watch is None:
+            return False
+        advanced = True
+        for i, path in enumerate(self.watch.paths):
+            record = heartbeat.read(path)
+            if record is None:
+                return False
+            first = self._first_steps.setdefault(i, int(record["step"]))
+            advanced = advanced and int(record["step"]) > first
+        return advanced
+
     def _wait(self, procs: list[subprocess.Popen]) -> tuple[int, int] | None:
         """Waits until every process exited 0 (returns None) or one failed (its index, code)."""
         while not self.stopped:
@@ -166,6 +242,7 @@ class Supervisor:
                 return min(failed, key=lambda f: (f[1] == PREEMPTION_EXIT_CODE, f[1] > 0, f[0]))
             if all(code == 0 for code in codes):
                 return None
+            self._tend_spares(procs)
             stall = None if self.watch is None else self.watch.check([c is None for c in codes])
             if stall is not None:
                 self.hang = stall
@@ -236,6 +313,8 @@ class Supervisor:
         try:
             return self._attempts()
         finally:
+            if self.pool is not None:
+                self.pool.close()
             if self.watch is not None:
                 self.watch.close()
 
@@ -244,6 +323,9 @@ class Supervisor:
         attempt = 0
         while True:
             limit = attempt + 1 + self.args.max_restarts - failures
+            self._can_restart = (
+                failures < self.args.max_restarts or preemptions < self.args.max_preemptions
+            )
             code, preempted = self.attempt(attempt, limit)
             if code == 0 or self.stopped:
                 return code

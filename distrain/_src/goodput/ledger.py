@@ -44,7 +44,11 @@ VERSION = 1
 
 def process_start_time() -> float:
     """When this process started (wall clock, seconds): from ``/proc`` on Linux, so the
-    interpreter's start-up and imports count; elsewhere, when distrain was imported."""
+    interpreter's start-up and imports count; elsewhere, when distrain was imported. A
+    warm spare of ``distrain launch`` started when it was handed its rank
+    (:func:`restart_clock`)."""
+    if _handed_over is not None:
+        return _handed_over
     try:
         with open("/proc/self/stat") as f:
             fields = f.read().rpartition(")")[2].split()
@@ -59,6 +63,22 @@ def process_start_time() -> float:
 
 
 _IMPORTED = time.time()
+_handed_over: float | None = None
+
+
+def restart_clock(start: float) -> None:
+    """This process starts its work at ``start`` (wall clock): a warm spare that imported
+    everything while it waited, then was handed a rank. Its start-up and milestones are
+    measured from there, as a new process's would be from its exec; its imports are done
+    (the ``imported`` milestone is now).
+
+    Example:
+      >>> restart_clock(time.time())  # in the spare, before the program runs
+    """
+    global _handed_over
+    _handed_over = float(start)
+    _milestones.clear()
+    milestone("imported")
 
 
 class _CompileSpans:
