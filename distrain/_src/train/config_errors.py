@@ -2,8 +2,8 @@
 
 ``config.py`` and its section modules hold the schema (one pydantic model per section);
 this module turns pydantic's list of errors into one :class:`ConfigError` with one
-sentence per problem: an unknown key with the closest valid one, a wrong type named as the schema names it,
-the valid choices of a literal.
+sentence per problem: an unknown key with the closest valid one, a wrong type named as
+the schema names it, the valid choices of a literal.
 """
 
 from __future__ import annotations
