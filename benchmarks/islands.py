@@ -11,6 +11,15 @@ Two parts, written to one JSON file:
   per device follow the ring algorithms: all-reduce ``2 (g-1)/g`` of the buffer,
   all-gather ``(g-1)/g`` of its output, reduce-scatter ``(g-1)`` of its output,
   all-to-all ``(g-1)/g``, collective-permute the buffer (``g``: the group's size).
+  ``cross_island_bytes_per_sync``, by replicas per island (1, 2, 4: 8, 4, 2 islands on 8
+  devices), what one island puts on the slow link per outer step, whatever the
+  algorithm: for each collective of the outer step whose groups cross islands, the
+  bytes each device contributes (an all-reduce's buffer, an all-gather's input: its
+  output over the group's size) times the island's devices that take part; float32
+  with the hierarchical outer step (``outer_sync="hierarchical"``, the default; target:
+  ``param_bytes``, one copy of the model) and ``..._before`` with
+  ``outer_sync="flat"`` (R copies), the same with int4 outer gradients
+  (``..._int4``, target ``int4_payload_bytes``); not with ``--toy``.
 * **Quality**: a character-level transformer (the LM example's model) on
   TinyShakespeare (``../shared/data/``, or ``--data``), 4 islands at H=10 and H=50
   against synchronous data parallelism with the same global batches (the same tokens),
@@ -30,11 +39,15 @@ to ``merged_commands``.
 
 ``--toy`` runs both parts at smoke-test size (a small MLP, random tokens, a few steps).
 
+``--communication-only`` recomputes the communication part alone and merges it into
+``--json`` (every other field kept, the command appended to ``merged_commands``).
+
 Example::
 
     python -m benchmarks.islands --json benchmarks/results/islands.json
     python -m benchmarks.islands --arms diloco_h10_int8 diloco_h10_int4 diloco_h10_streaming
     python -m benchmarks.islands --toy --json /tmp/islands.json
+    python -m benchmarks.islands --communication-only
 """
 
 from __future__ import annotations
@@ -111,6 +124,29 @@ class Collective:
         if self.op == "collective-permute":
             return self.bytes
         return (g - 1) / g * self.bytes
+
+    @property
+    def input_per_device(self) -> float:
+        """Bytes each device puts in: the buffer, or an all-gather's share of its output,
+        or a reduce-scatter's input."""
+        g = max(len(x) for x in self.groups) if self.groups else 1
+        if self.op == "all-gather":
+            return self.bytes / g
+        if self.op == "reduce-scatter":
+            return self.bytes * g
+        return self.bytes
+
+
+def cross_island_bytes(found: list[Collective], island_of: Callable[[int], int]) -> float:
+    """What island 0 puts on the cross-island link per outer step: for each collective in
+    the outer step whose groups cross islands, each device's input times island 0's
+    devices in its groups (the algorithm's own factors, ring or tree, left out)."""
+    total = 0.0
+    for c in found:
+        if c.in_branch and c.crosses:
+            ours = {d for g in c.groups for d in g if island_of(d) == 0}
+            total += c.input_per_device * len(ours)
+    return total
 
 
 def _groups(line: str, n_devices: int) -> tuple[tuple[int, ...], ...]:
@@ -310,7 +346,7 @@ def train(
     return {"curve": curve, "final": curve[-1][1], "seconds": time.perf_counter() - start}
 
 
-def communication(recipe: Recipe, islands: int) -> dict[str, Any]:
+def communication(recipe: Recipe, islands: int, toy: bool = False) -> dict[str, Any]:
     """Collectives of the compiled steps: DiLoCo (per outer_dtype) and data parallel."""
     import jax
     import optax
@@ -343,6 +379,51 @@ def communication(recipe: Recipe, islands: int) -> dict[str, Any]:
         c.sent_per_device for c in collectives(compiled.as_text(), lambda d: 0, n)
     )
     out["param_bytes"] = sum(x.nbytes for x in jax.tree.leaves(recipe.params))
+    if not toy:  # 12 more compilations: the smoke test's budget has no room for them
+        out.update(cross_island(recipe))
+    return out
+
+
+def cross_island(
+    recipe: Recipe,
+    dtypes: tuple[str, ...] = ("float32", "int4"),
+    replicas: tuple[int, ...] = (1, 2, 4),
+) -> dict[str, Any]:
+    """``cross_island_bytes_per_sync[_<dtype>][_before]`` by replicas per island, read
+    from the compiled steps (``outer_sync`` "hierarchical" and, before, "flat"), and each
+    codec's payload (``<dtype>_payload_bytes``: one island's encoding)."""
+    import jax
+    import optax
+
+    import distrain as dt
+    from distrain._src.islands.codecs import payload_bytes
+
+    n = jax.device_count()
+    batch = {"tokens": recipe.batches(0, 1, recipe.rows_per_replica * n)[0]}
+    state = dt.TrainState.create(params=recipe.params, tx=recipe.tx)
+    out: dict[str, Any] = {}
+    for dtype in dtypes:
+        suffix = "" if dtype == "float32" else f"_{dtype}"
+        for outer_sync, arm in (("hierarchical", ""), ("flat", "_before")):
+            found = {}
+            for per_island in replicas:
+                strategy = dt.experimental.DiLoCoStrategy(
+                    islands=n // per_island,
+                    sync_every=10,
+                    outer_optimizer=NESTEROV(optax),
+                    outer_dtype=dtype,
+                    outer_sync=outer_sync,
+                )
+                placed = strategy.put_replicated(state)
+                compiled = strategy.compile(recipe.step, (placed, strategy.distribute_batch(batch)))
+                island_of = lambda d, k=per_island: d // k  # noqa: E731
+                hlo = collectives(compiled.as_text(), island_of, n)
+                found[str(per_island)] = cross_island_bytes(hlo, island_of)
+            out[f"cross_island_bytes_per_sync{suffix}{arm}"] = found
+        if dtype != "float32":
+            out[f"{dtype}_payload_bytes"] = sum(
+                payload_bytes(x.shape, dtype) for x in jax.tree.leaves(recipe.params)
+            )
     return out
 
 
@@ -456,6 +537,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--json", type=Path, default=OUT)
     parser.add_argument("--plot", type=Path, default=None, help="a PNG of the curves")
     parser.add_argument("--replot", action="store_true", help="only redraw --plot from --json")
+    parser.add_argument(
+        "--communication-only",
+        action="store_true",
+        help="only recompute the compiled programs' figures, merged into --json",
+    )
     args = parser.parse_args(argv)
     if args.replot:
         plot(json.loads(args.json.read_text()), args.plot)
@@ -482,12 +568,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "global_batch_rows": args.rows_per_replica * jax.device_count(),
         "seq_len": recipe.seq_len,
     }
+    if args.communication_only:
+        _check_mergeable(args.json, shape, 0, new_dp=True)
+        fields = communication(recipe, args.islands, args.toy)
+        result = _merge(args.json, shape, {}, command, fields)
+        print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=1))
+        return result
     strategies = {arm: strategy_of(arm, args.islands) for arm in arms}  # names checked first
     if args.arms is not None:
         _check_mergeable(args.json, shape, args.seeds, "data_parallel" in arms)
         result: dict[str, Any] = {}
     else:
-        result = {"command": command, **shape, **communication(recipe, args.islands)}
+        result = {"command": command, **shape, **communication(recipe, args.islands, args.toy)}
     runs: dict[str, list[dict[str, Any]]] = {arm: [] for arm in arms}
     eval_every = max(1, args.steps // 10)
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -531,11 +623,17 @@ def _check_mergeable(path: Path, shape: dict[str, Any], seeds: int, new_dp: bool
         )
 
 
-def _merge(path: Path, shape: dict[str, Any], runs: dict[str, Any], command: str) -> dict:
-    """``runs`` merged into the result file at ``path`` (read again now, under a lock, so
-    that invocations on other arms running at the same time keep theirs): its fields
-    kept, these arms' runs replaced, the gaps recomputed, the command appended to
-    ``merged_commands``."""
+def _merge(
+    path: Path,
+    shape: dict[str, Any],
+    runs: dict[str, Any],
+    command: str,
+    fields: dict[str, Any] | None = None,
+) -> dict:
+    """``runs`` (and top-level ``fields``) merged into the result file at ``path`` (read
+    again now, under a lock, so that invocations on other arms running at the same time
+    keep theirs): its fields kept, these arms' runs and ``fields`` replaced, the gaps
+    recomputed, the command appended to ``merged_commands``."""
     import fcntl
 
     with open(path, "a+") as f:
@@ -544,9 +642,11 @@ def _merge(path: Path, shape: dict[str, Any], runs: dict[str, Any], command: str
         text = f.read()
         result = json.loads(text) if text.strip() else {**shape, "runs": {}}
         result["runs"].update(runs)
+        result.update(fields or {})
         if command not in result.setdefault("merged_commands", []):
             result["merged_commands"].append(command)
-        score(result)
+        if result["runs"].get("data_parallel"):
+            score(result)
         f.seek(0)
         f.truncate()
         f.write(json.dumps(result, indent=1) + "\n")

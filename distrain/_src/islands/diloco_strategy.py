@@ -9,9 +9,9 @@ over the islands and the replicas, in which
    the gradient sum of ``apply_gradients`` and ``compute_average_loss``'s global batch),
    so an inner step has no collective across islands;
 2. then :func:`outer.after_inner_step` counts the step and, after the H-th, runs the
-   outer step: the mean over islands of ``global - island`` is one all-reduce over
-   ``"island"`` (an all-gather of the packed payloads with a quantized ``outer_dtype``),
-   the outer optimizer steps the global parameters, the islands merge with them.
+   outer step: the islands' mean of ``global - island`` crosses islands once per island
+   (``outer_sync.py``), the outer optimizer steps the global parameters, the islands
+   merge with them.
 
 The state is a :class:`outer.DiLoCoState`: the global parameters and the outer
 optimizer states (placed like ``MirroredStrategy``'s state), the islands' states with a
@@ -46,6 +46,7 @@ from distrain._src.cross_device_ops import CrossDeviceOps
 from distrain._src.islands import outer
 from distrain._src.islands.codecs import OuterDType
 from distrain._src.islands.outer import DiLoCoState
+from distrain._src.islands.outer_sync import ISLAND_AXIS, OuterSync, check_outer_sync, exchange
 from distrain._src.islands.schedule import DiLoCoConfig
 from distrain._src.strategy import _checks
 from distrain._src.strategy import layout as _layout
@@ -56,8 +57,6 @@ from distrain._src.strategy.replica_mesh import DevicesPerReplica
 from distrain._src.strategy.rules import LayoutRules, LogicalAxisRules
 from distrain._src.strategy.sharded import DEFAULT_MIN_SHARD_BYTES
 from distrain._src.values import PerGroup, PerReplica
-
-ISLAND_AXIS = "island"
 
 
 def _is_state(x: Any) -> bool:
@@ -94,6 +93,9 @@ class DiLoCoStrategy(Strategy):
       outer_dtype: what each island sends: ``"float32"``, ``"bfloat16"``, ``"int8"`` or
         ``"int4"`` (absmax per tensor, two values per byte); decoded and averaged in
         float32.
+      outer_sync: ``"hierarchical"``: each replica sends its 1/R share of its island's
+        outer gradient (or encoding) across islands, one copy per island crosses;
+        ``"flat"``: every replica sends all of it (R copies). The same values.
       devices: the devices, in island order (default: every device of every process,
         after joining the cluster ``cluster_resolver`` or the environment describes, as
         ``dt.MultiWorkerMirroredStrategy`` does).
@@ -106,7 +108,7 @@ class DiLoCoStrategy(Strategy):
       ValueError: ``islands`` not a positive int dividing the devices (or the replicas),
         islands that cut processes unevenly, an inner axis named ``"island"``, and the
         configuration errors of ``sync_every``, ``fragments``, ``fragment_sync_delay``,
-        ``fragment_update_alpha`` and ``outer_dtype``.
+        ``fragment_update_alpha``, ``outer_dtype`` and ``outer_sync``.
       TypeError: ``outer_optimizer`` is not an optax transformation.
 
     Example:
@@ -128,6 +130,7 @@ class DiLoCoStrategy(Strategy):
         fragment_sync_delay: int = 0,
         fragment_update_alpha: float = 0.0,
         outer_dtype: OuterDType = "float32",
+        outer_sync: OuterSync = "hierarchical",
         devices: Sequence[DeviceSpec] | None = None,
         cluster_resolver: ClusterResolver | None = None,
         cross_device_ops: CrossDeviceOps | None = None,
@@ -146,6 +149,7 @@ class DiLoCoStrategy(Strategy):
             fragment_update_alpha=fragment_update_alpha,
             outer_dtype=outer_dtype,
         )
+        self._outer_sync = check_outer_sync(outer_sync)
         if devices is None:
             # Every device of every process, processes in order (each island whole
             # processes or part of one); joins the cluster the environment describes.
@@ -185,6 +189,11 @@ class DiLoCoStrategy(Strategy):
     def replicas_per_island(self) -> int:
         """The replicas of one island: ``num_replicas_in_sync`` inside a step."""
         return self.num_replicas_in_sync // self._islands
+
+    @property
+    def outer_sync(self) -> OuterSync:
+        """How the outer step crosses islands: ``"hierarchical"`` or ``"flat"``."""
+        return self._outer_sync
 
     @property
     def config(self) -> DiLoCoConfig:
@@ -380,7 +389,9 @@ class DiLoCoStrategy(Strategy):
             mean: Any = functools.partial(jax.tree.map, lambda x: x[0])
             gather: Any = None
         else:
-            mean, gather = _mean_over_islands, _gather_islands
+            mean, gather = exchange(
+                self._outer_sync, self.replicas_per_island, tuple(self.inner_axes)
+            )
         stacked = state.replace(inner=jax.tree.map(lambda x: x[None], new_inner))
         stacked = outer.after_inner_step(self._config, stacked, gather=gather, mean=mean)
         return stacked.replace(inner=jax.tree.map(lambda x: x[0], stacked.inner))
@@ -424,44 +435,6 @@ class DiLoCoStrategy(Strategy):
         """One component per local replica, islands in order; an island-varying array
         gives each replica its island's row (without the island axis)."""
         return super().experimental_local_results(self._rows_per_replica(value))
-
-
-# An outer step exchanges one buffer, in one collective: XLA:CPU may run independent
-# collectives of a program in a different order on different devices, and with several
-# of them the cross-island ones deadlocked (the LM of benchmarks/islands.py, 4 islands:
-# "Expected 4 threads to join the rendezvous, but only 2 of them arrived").
-
-
-def _mean_over_islands(deltas: Any) -> Any:
-    """The mean over islands of this island's differences (island axis of 1 on every
-    leaf): one all-reduce of their concatenation."""
-    leaves, treedef = jax.tree.flatten(deltas)
-    flat = jnp.concatenate([x[0].ravel() for x in leaves])
-    mean = jax.lax.pmean(flat, ISLAND_AXIS)
-    out, start = [], 0
-    for x in leaves:
-        size = x[0].size
-        out.append(mean[start : start + size].reshape(x.shape[1:]).astype(x.dtype))
-        start += size
-    return jax.tree.unflatten(treedef, out)
-
-
-def _gather_islands(encoded: Any) -> Any:
-    """Every island's encodings (island axis first), from this island's (an island axis
-    of 1): their bytes concatenated and all-gathered at once. As bytes, a bfloat16
-    payload moves 2 bytes a value (XLA:CPU widens a bfloat16 all-gather to float32)."""
-    leaves, treedef = jax.tree.flatten(encoded)
-    parts = [jax.lax.bitcast_convert_type(x[0].ravel(), jnp.uint8).ravel() for x in leaves]
-    gathered = jax.lax.all_gather(jnp.concatenate(parts), ISLAND_AXIS)  # [islands, bytes]
-    out, start = [], 0
-    for x, part in zip(leaves, parts, strict=True):
-        raw = gathered[:, start : start + part.size]
-        start += part.size
-        width = x.dtype.itemsize
-        raw = raw.reshape(raw.shape[0], -1, width) if width > 1 else raw
-        values = jax.lax.bitcast_convert_type(raw, x.dtype)
-        out.append(values.reshape(raw.shape[0], *x.shape[1:]))
-    return jax.tree.unflatten(treedef, out)
 
 
 def _per_island_results(fn: Callable[..., Any]) -> Callable[..., Any]:
