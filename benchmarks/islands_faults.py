@@ -151,6 +151,7 @@ def worker(args: argparse.Namespace) -> None:
         start_timeout=120.0,
         min_islands_timeout=120.0,
         on_round=on_round,
+        heal_from_peer=args.heal,
     )
     if island == 0:
         _snapshot(snapshots, last[0], result.params, final=True)
@@ -243,7 +244,7 @@ class Killer(threading.Thread):
 
 
 def _run_arm(
-    args: argparse.Namespace, directory: Path, seed: int, kill: bool, log: Path
+    args: argparse.Namespace, directory: Path, seed: int, kill: bool, log: Path, heal: bool = False
 ) -> dict[str, Any]:
     """One `distrain launch --islands N` run; the killer thread beside it if ``kill``."""
     command = [
@@ -256,6 +257,7 @@ def _run_arm(
         "--heartbeat", str(args.heartbeat),
         *(["--rows", str(args.rows)] if args.rows else []),
         *(["--toy"] if args.toy else []),
+        *(["--heal"] if heal else []),
     ]  # fmt: skip
     flags = re.sub(
         r"--xla_force_host_platform_device_count=\S*", "", os.environ.get("XLA_FLAGS", "")
@@ -307,6 +309,7 @@ def _run_arm(
     return {
         "seed": seed,
         "killed": kill,
+        "heal": heal,
         "exit": code,
         "wall_s": wall,
         "t_start": t0,
@@ -446,15 +449,16 @@ def _counts(
     """The optimizer counts the incarnation at ``start_index`` started from, and the step
     they must be at: the first round the coordinator applied with its submission, x H."""
     start = timeline[start_index]
-    counts = next(
-        (e["counts"] for e in timeline[start_index + 1 :] if e["event"] == "joined_state"), None
-    )
+    joined = next((e for e in timeline[start_index + 1 :] if e["event"] == "joined_state"), {})
+    counts = joined.get("counts")
+    heal = next((e for e in timeline[start_index + 1 :] if e["event"] == "heal"), {})
     first = next(
         (e["round"] for e in rounds if KILLED_ISLAND in e["islands"] and e["ready"] > start["t"]),
         None,
     )
     return {"optimizer_counts": counts, "optimizer_counts_expected": None if first is None
-            else first * h}  # fmt: skip
+            else first * h, "healed_from": joined.get("healed_from"),
+            "heal_wait_s": heal.get("wait_s"), "heal_why": heal.get("why")}  # fmt: skip
 
 
 def _solo(directory: Path) -> dict[str, Any] | None:
@@ -586,7 +590,7 @@ def plot(result: dict[str, Any], path: Path) -> None:
         )  # fmt: skip
     seeds = sorted(a["seed"] for a in result["arms"] if not a["killed"])
     for arm in result["arms"]:
-        if not arm["killed"] or not arm.get("curve"):
+        if not arm["killed"] or arm.get("heal") or arm["seed"] != seeds[0] or not arm.get("curve"):
             continue
         c = arm["curve"]
         ax.plot(
@@ -647,17 +651,36 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "one shared by its arms, so restarts and later arms skip compiling)",
     )
     parser.add_argument("--keep", type=Path, default=None, help="keep the runs' directories")
+    parser.add_argument(
+        "--heal-seeds",
+        default=None,
+        help="seeds of the heal comparison: killed arms with and without heal_from_peer "
+        "(default 0,1,2; toy: none)",
+    )
+    parser.add_argument(
+        "--only-heal",
+        action="store_true",
+        help="run only the heal comparison's arms (unkilled, killed, killed with healing, "
+        "per heal seed) and add its 'heal' section to --json, keeping every other field",
+    )
+    parser.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="the runs' directory of an interrupted driver: arms with an arm.json are kept",
+    )
+    parser.add_argument("--heal", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     defaults = (
         {"islands": 2, "seeds": "0,1", "batch": 16, "sync_every": 4, "epochs": 2,
          "rows": None, "eval_every": 60, "eval_rows": 64, "kill_after": 1,
-         "arm_timeout": 150.0}
+         "arm_timeout": 150.0, "heal_seeds": ""}
         if args.toy else
         {"islands": 4, "seeds": "0,1,2", "batch": 16, "sync_every": 20, "epochs": 3,
          "rows": None, "eval_every": 4, "eval_rows": 512, "kill_after": 3,
-         "arm_timeout": 600.0}
+         "arm_timeout": 600.0, "heal_seeds": "0,1,2"}
     )  # fmt: skip
     for k, v in defaults.items():
         if getattr(args, k) is None:
@@ -676,10 +699,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     num_rows = _num_rows(args.data, seq_len, args.rows, args.islands * args.batch * args.sync_every)
     total = num_rows * args.epochs
     seeds = [int(s) for s in args.seeds.split(",")]
-    t_start = time.time()
-    root = Path(tempfile.mkdtemp(prefix="islands_faults-"))
+    heal_seeds = [int(s) for s in args.heal_seeds.split(",") if s]
+    t_start, load_start = time.time(), os.getloadavg()
+    root = args.resume or Path(tempfile.mkdtemp(prefix="islands_faults-"))
     if args.toy and args.compile_cache is None:
         args.compile_cache = root / "jax-cache"
+    if args.only_heal:
+        return _only_heal(args, argv, root, heal_seeds, total, overrides, t_start, load_start)
     # One island alone, nothing else running: the cold start a rejoin is held against.
     solo_args = argparse.Namespace(
         **{**vars(args), "islands": 1, "epochs": 1, "rows": args.batch * args.sync_every}
@@ -690,39 +716,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     solo_arm = _run_arm(solo_args, solo_dir, seeds[0], False, root / "solo.log")
     solo = _solo(solo_dir)
     solo_arm["cold_start"] = solo
-    arms = []
-    plan = [(s, False) for s in seeds] + [(seeds[0], True)]
-    for seed, kill in plan:
-        directory = root / f"{'killed' if kill else 'unkilled'}-seed{seed}"
-        directory.mkdir()
-        print(f"[faults] arm seed {seed} {'killed' if kill else 'unkilled'}: {directory}")
-        arm = _run_arm(args, directory, seed, kill, root / f"{directory.name}.log")
-        arm["directory"] = directory
-        arms.append(_analyze(directory, arm, total, args.islands, args.sync_every))
-        print(
-            f"[faults]   {arm['wall_s']:.0f} s, {arm['rounds']} rounds, exit {arm['exit']}, "
-            f"rows lost {arm['rows_lost']} duplicated {arm['rows_duplicated']}, max stall "
-            f"{arm['max_stall_s']}",
-            flush=True,
-        )
-    # Held-out losses, after every arm ran (recipe.heldout_loss compiles its program at
-    # every call: a compilation cache of the driver's own makes the later calls loads).
-    t_eval = time.time()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    plan = [(s, False, False) for s in seeds] + [(seeds[0], True, False)]
+    plan += [(s, True, False) for s in heal_seeds if s != seeds[0]]
+    plan += [(s, True, True) for s in heal_seeds]
+    arms = _run_arms(args, root, plan, total)
+    steps = _evaluate_arms(args, root, arms, overrides, total)
     import jax
 
-    jax.config.update("jax_compilation_cache_dir", str(root / "driver-jax-cache"))
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-
-    from benchmarks.islands import Recipe
-
-    steps = math.ceil(total / (args.islands * args.batch))
-    recipe = Recipe(overrides, steps, args.data, args.batch)
-    for arm in arms:
-        _evaluate(recipe, arm["directory"], arm, args.eval_rows)
-    print(f"[faults] evaluated the snapshots in {time.time() - t_eval:.0f} s", flush=True)
-    killed = next(a for a in arms if a["killed"])
+    killed = next(a for a in arms if a["killed"] and not a["heal"] and a["seed"] == seeds[0])
     base = next(a for a in arms if not a["killed"] and a["seed"] == killed["seed"])
     unkilled = [a for a in arms if not a["killed"]]
     killed["goodput"] = _goodput(killed["directory"], args.islands)
@@ -779,14 +780,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "kills": killed["kills"],
         "killed_vs_unkilled_loss_gap": gap,
         "seed_spread": spread,
-        "final_losses": {
-            f"{'killed' if a['killed'] else 'unkilled'}_seed{a['seed']}": a["final_loss"]
-            for a in arms
-        },
+        "final_losses": {_arm_name(a): a["final_loss"] for a in arms},
         "goodput_killed": killed["goodput"],
         "wall_s": time.time() - t_start,
+        "load_avg": {"start": load_start, "end": os.getloadavg()},
         "arms": [{k: v for k, v in a.items() if k != "directory"} for a in arms],
     }
+    if heal_seeds:
+        result["heal"] = heal_comparison(arms, heal_seeds, result["cold_start_solo_s"])
     result["targets"] = targets(result)
     result["all_targets_met"] = all(t["met"] for t in result["targets"].values())
     args.json.parent.mkdir(parents=True, exist_ok=True)
@@ -797,6 +798,194 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         shutil.copytree(root, args.keep, dirs_exist_ok=True)
     shutil.rmtree(root, ignore_errors=True)
     _summary(result)
+    return result
+
+
+def _arm_name(arm: dict[str, Any]) -> str:
+    kind = ("killed_heal" if arm.get("heal") else "killed") if arm["killed"] else "unkilled"
+    return f"{kind}_seed{arm['seed']}"
+
+
+def _run_arms(
+    args: argparse.Namespace, root: Path, plan: list[tuple[int, bool, bool]], total: int
+) -> list[dict[str, Any]]:
+    """The arms of ``plan`` (seed, killed, heal), one after the other, analysed."""
+    arms = []
+    for seed, kill, heal in plan:
+        name = _arm_name({"seed": seed, "killed": kill, "heal": heal}).replace("_", "-")
+        directory = root / name
+        saved = directory / "arm.json"
+        if saved.is_file():  # --resume: an arm that ran to its end before
+            arm = json.loads(saved.read_text())
+            print(f"[faults] arm {name}: resumed from {saved}", flush=True)
+        else:
+            arm = _run_arm_retried(args, root, directory, name, seed, kill, heal)
+            saved.write_text(json.dumps(arm, default=str))
+        arm["directory"] = directory
+        arms.append(_analyze(directory, arm, total, args.islands, args.sync_every))
+        print(
+            f"[faults]   {arm['wall_s']:.0f} s, {arm['rounds']} rounds, exit {arm['exit']}, "
+            f"rows lost {arm['rows_lost']} duplicated {arm['rows_duplicated']}, max stall "
+            f"{arm['max_stall_s']}, load {os.getloadavg()[0]:.1f}",
+            flush=True,
+        )
+    return arms
+
+
+def _run_arm_retried(
+    args: argparse.Namespace,
+    root: Path,
+    directory: Path,
+    name: str,
+    seed: int,
+    kill: bool,
+    heal: bool,
+) -> dict[str, Any]:
+    """One arm, started up to 3 times while no island reaches a coordinator (seen on a
+    loaded machine: the local Ray head had not registered its node, or refused
+    connections, and every island gave up)."""
+    for attempt in range(3):
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir()
+        print(f"[faults] arm {name}: {directory}", flush=True)
+        arm = _run_arm(args, directory, seed, kill, root / f"{name}.log", heal=heal)
+        arm["attempts"] = attempt + 1
+        if (directory / "rows").is_dir():
+            return arm
+        print(f"[faults] arm {name} never started (exit {arm['exit']}); again", flush=True)
+    raise SystemExit(f"[faults] arm {name} did not start in 3 attempts: see {root}/{name}.log")
+
+
+def _evaluate_arms(
+    args: argparse.Namespace,
+    root: Path,
+    arms: list[dict[str, Any]],
+    overrides: list[str],
+    total: int,
+) -> int:
+    """Held-out losses, after every arm ran (recipe.heldout_loss compiles its program at
+    every call: a compilation cache of the driver's own makes the later calls loads).
+    Returns the inner steps of the schedule."""
+    t_eval = time.time()
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    import jax
+
+    jax.config.update("jax_compilation_cache_dir", str(root / "driver-jax-cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+    from benchmarks.islands import Recipe
+
+    steps = math.ceil(total / (args.islands * args.batch))
+    recipe = Recipe(overrides, steps, args.data, args.batch)
+    for arm in arms:
+        _evaluate(recipe, arm["directory"], arm, args.eval_rows)
+    print(f"[faults] evaluated the snapshots in {time.time() - t_eval:.0f} s", flush=True)
+    return steps
+
+
+def heal_comparison(
+    arms: list[dict[str, Any]], seeds: list[int], cold_solo: float | None
+) -> dict[str, Any]:
+    """Killed minus unkilled final held-out loss per seed, and the rejoins, without and
+    with ``heal_from_peer``; healing is to be the default if its mean |gap| is smaller
+    at no more than +10 % mean rejoin_s."""
+
+    def arm(seed: int, killed: bool, heal: bool) -> dict[str, Any]:
+        return next(
+            a for a in arms if a["seed"] == seed and a["killed"] == killed and a["heal"] == heal
+        )
+
+    def side(heal: bool) -> dict[str, Any]:
+        gaps = []
+        for s in seeds:
+            k, u = arm(s, True, heal)["final_loss"], arm(s, False, False)["final_loss"]
+            gaps.append(k - u if _finite(k) and _finite(u) else None)
+        rejoins = [r for s in seeds for r in arm(s, True, heal)["rejoins"]]
+        times = [r["rejoin_s"] for r in rejoins]
+        ok = [g for g in gaps if _finite(g)]
+        return {
+            "killed_vs_unkilled_loss_gap": gaps,
+            "mean_abs_gap": float(np.mean(np.abs(ok))) if len(ok) == len(gaps) else None,
+            "rejoin_s": times,
+            "rejoin_s_mean": float(np.mean(times)) if times and all(map(_finite, times)) else None,
+            "healed_from": [r.get("healed_from") for r in rejoins],
+            "heal_wait_s": [r.get("heal_wait_s") for r in rejoins],
+            "heal_why": [r.get("heal_why") for r in rejoins],
+            "optimizer_counts": [r.get("optimizer_counts") for r in rejoins],
+            "optimizer_counts_expected": [r.get("optimizer_counts_expected") for r in rejoins],
+            "rows_lost": [arm(s, True, heal)["rows_lost"] for s in seeds],
+            "rows_duplicated": [arm(s, True, heal)["rows_duplicated"] for s in seeds],
+        }
+
+    without, with_ = side(False), side(True)
+    gap_a, gap_b = without["mean_abs_gap"], with_["mean_abs_gap"]
+    rj_a, rj_b = without["rejoin_s_mean"], with_["rejoin_s_mean"]
+    better = _finite(gap_a) and _finite(gap_b) and gap_b < gap_a
+    ratio = rj_b / rj_a if _finite(rj_a) and _finite(rj_b) and rj_a else None
+    return {
+        "seeds": seeds,
+        "unkilled_final_losses": [arm(s, False, False)["final_loss"] for s in seeds],
+        "without": without,
+        "with": with_,
+        "mean_abs_gap_smaller_with_healing": bool(better),
+        "rejoin_s_ratio": ratio,
+        "rule": "default on iff mean |gap| with < without and rejoin_s_ratio <= 1.10",
+        "default_on": bool(better and ratio is not None and ratio <= 1.10),
+        "rejoin_limit_s": 1.5 * cold_solo if _finite(cold_solo) else None,
+        "rejoin_met": _finite(cold_solo)
+        and bool(with_["rejoin_s"])
+        and all(_finite(t) and t <= 1.5 * cold_solo for t in with_["rejoin_s"]),
+    }
+
+
+def _only_heal(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    root: Path,
+    seeds: list[int],
+    total: int,
+    overrides: list[str],
+    t_start: float,
+    load_start: tuple[float, float, float],
+) -> dict[str, Any]:
+    """``--only-heal``: the comparison's arms alone; its section goes into --json."""
+    if not seeds:
+        raise SystemExit("--only-heal needs --heal-seeds (e.g. 0,1,2)")
+    plan = [(s, k, h) for s in seeds for k, h in ((False, False), (True, False), (True, True))]
+    arms = _run_arms(args, root, plan, total)
+    _evaluate_arms(args, root, arms, overrides, total)
+    result = json.loads(args.json.read_text()) if args.json.is_file() else {}
+    heal = heal_comparison(arms, seeds, result.get("cold_start_solo_s"))
+    heal.update(
+        {
+            "command": "python -m benchmarks.islands_faults "
+            + " ".join(argv if argv is not None else sys.argv[1:]),
+            "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            "islands": args.islands,
+            "epochs": args.epochs,
+            "sync_every": args.sync_every,
+            "batch_size": args.batch,
+            "kill_after_rounds": args.kill_after,
+            "death_timeout_s": args.death_timeout,
+            "wall_s": time.time() - t_start,
+            "load_avg": {"start": load_start, "end": os.getloadavg()},
+            "arms": [{k: v for k, v in a.items() if k not in ("directory", "curve")} for a in arms],
+        }
+    )
+    result["heal"] = heal
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(result, indent=1, default=str) + "\n")
+    if args.keep is not None:
+        shutil.copytree(root, args.keep, dirs_exist_ok=True)
+    shutil.rmtree(root, ignore_errors=True)
+    for name in ("without", "with"):
+        h = heal[name]
+        print(
+            f"[faults] {name} healing: gaps {h['killed_vs_unkilled_loss_gap']}, mean |gap| "
+            f"{h['mean_abs_gap']}, rejoin_s {h['rejoin_s']}, from {h['healed_from']}"
+        )
+    print(f"[faults] rejoin ratio {heal['rejoin_s_ratio']}; default on: {heal['default_on']}")
     return result
 
 

@@ -99,7 +99,7 @@ def test_a_round_save_longer_than_death_timeout_stops_no_heartbeat(tmp_path):
     assert beats.slowest < 0.5, f"a heartbeat waited {beats.slowest:.2f} s for the save"
     status = coord.status()
     assert status["alive"] == [0, 1] and status["round"] == 1
-    r, params, _, _ = coord.wait_round(0, tokens[0], 0)
+    r, params, _, _, _ = coord.wait_round(0, tokens[0], 0)
     assert r == 1
     np.testing.assert_allclose(params[0], PARAMS[0] - 2.0)
     coord.stop()
@@ -116,14 +116,14 @@ def test_an_island_restarted_after_it_submitted_waits_for_the_next_round(tmp_pat
     with pytest.raises(RejoinRequired, match="enrolled in round 1"):
         coord.lease(1, new, 0)
     coord.submit(0, tokens[0], 0, _grads(1.0))
-    r, params, finished, _ = coord.wait_round(1, new, -1, timeout=5)
+    r, params, finished, _, _ = coord.wait_round(1, new, -1, timeout=5)
     assert (r, finished) == (1, False)
     np.testing.assert_allclose(params[0], PARAMS[0] - 2.0)  # both submissions counted
     coord.leave(0, tokens[0])  # island 1 trains the last rows alone
     positions, _ = coord.lease(1, new, 1)
     assert len(positions) == 2  # 10 rows, 8 committed in round 0
     coord.submit(1, new, 1, _grads(1.0))
-    _, _, finished, _ = coord.wait_round(1, new, 1, timeout=5)
+    _, _, finished, _, _ = coord.wait_round(1, new, 1, timeout=5)
     assert finished and np.array_equal(np.sort(committed_rows(str(tmp_path / "run"))),
                                        np.arange(10))  # fmt: skip
     coord.stop()
@@ -187,7 +187,7 @@ def test_a_hung_island_that_still_heartbeats_is_dead_at_the_round_deadline(tmp_p
     leased = time.time()
     beats = _Beats(coord, tokens)  # both heartbeat; island 1's training loop hangs
     coord.submit(0, tokens[0], 0, _grads(1.0))
-    r, params, _, hang_s = coord.wait_round(0, tokens[0], 0, timeout=10)
+    r, params, _, hang_s, _ = coord.wait_round(0, tokens[0], 0, timeout=10)
     waited = time.time() - leased
     beats.stop()
     assert r == 1 and 0.8 <= waited < 3.0
@@ -214,7 +214,7 @@ def test_a_hung_island_that_still_heartbeats_is_dead_at_the_round_deadline(tmp_p
     # The survivor trains the rows island 1 held: every row exactly once.
     after = 1
     while True:
-        r, params, finished, _ = coord.wait_round(0, tokens[0], after, timeout=10)
+        r, params, finished, _, _ = coord.wait_round(0, tokens[0], after, timeout=10)
         if finished:
             break
         positions, _ = coord.lease(0, tokens[0], r)
@@ -241,3 +241,118 @@ def test_the_round_deadline_follows_the_observed_round_times(tmp_path, monkeypat
     with pytest.raises(ValueError, match="round_timeout must be None or > 0"):
         IslandsConfig(islands=1, sync_every=1, batch_size=1, num_rows=1, round_timeout=0.0)
     coord.stop()
+
+
+# ------------------------------------------------------------ healing (issue 57, item 4)
+
+
+class _InProcess:
+    """The island side's proxy calls (``remote.Coordinator``: ``__call__`` and ``poll``)
+    on the in-process coordinator; in a run they go through Ray."""
+
+    def __init__(self, coord):
+        self.coord = coord
+
+    def __call__(self, method, *args):
+        return getattr(self.coord, method)(*args)
+
+    def poll(self, method, *args, until=10.0):
+        deadline = time.time() + until
+        while (result := self(method, *args)) is None:
+            assert time.time() < deadline, f"{method} had no answer for {until} s"
+        return result
+
+
+def test_a_rejoining_island_heals_from_a_live_peer_one_state_held_at_a_time(tmp_path, capsys):
+    """A restarted island takes its live peer's inner optimizer state (Adam's moments),
+    with the counts at round x H; the live island posts it once, at its next round
+    boundary, and trains on; the coordinator holds it only until it is taken. Without a
+    trained live peer, or when every peer started the joiner's round already, the joiner
+    starts fresh at once and says so in one line. Another optimizer is refused."""
+    import jax
+    import jax.numpy as jnp
+
+    import distrain as dt
+    from distrain._src.islands.healing import Posted, StateRelay
+    from distrain._src.islands.joining import Joiner
+
+    tx = optax.adam(optax.linear_schedule(1e-2, 1e-3, 100))
+    initial = dt.TrainState.create(params={"a": jnp.zeros(3), "b": jnp.ones((2, 2))}, tx=tx)
+    logs = []
+
+    def joiner(state=initial):
+        return Joiner(state, heal=True, sync_every=2, log=lambda e, **f: logs.append((e, f)))
+
+    def trained(state, steps):  # moments that are not the initial zeros
+        for k in range(steps):
+            grads = jax.tree.map(lambda p, k=k: jnp.full_like(p, k + 1.0), state.params)
+            state = state.apply_gradients(grads=grads)
+        return state
+
+    # Deaths here are restarts (joins): the JAX work between calls may outlast 0.6 s.
+    coord = _coordinator(tmp_path, num_rows=40, death_timeout=60.0, heartbeat_interval=1.0)
+    proxy, adam = _InProcess(coord), joiner()
+    tokens = {i: coord.join(i, STRUCTURE, adam.structure, True)[0] for i in (0, 1)}
+    for i, t in tokens.items():  # round 0: no peer has trained, both start fresh at once
+        r, params, *_ = coord.wait_round(i, t, -1)
+        adam.start(proxy, i, t, r, dict(zip("ab", params, strict=True)), until=5)
+        assert logs[-1][1]["healed_from"] is None and logs[-1][1]["counts"] == [0, 0]
+    assert "no live peer has trained a round" in logs[-2][1]["why"]
+    assert capsys.readouterr().out == ""  # round 0: every island starts fresh, silently
+    for i, t in tokens.items():
+        coord.lease(i, t, 0)
+    for i, t in tokens.items():
+        coord.submit(i, t, 0, _grads(0.5))
+    for i, t in tokens.items():
+        assert coord.wait_round(i, t, 0).donate is False  # nobody waits for a state
+        coord.lease(i, t, 1)
+    live = trained(initial, 2)  # island 0's state after round 1's inner steps
+    # Island 1 restarts mid-round 1: its lease goes back, it enrolls in round 2.
+    rejoined, _ = coord.join(1, STRUCTURE, adam.structure, True)
+    assert coord.status()["healing"] == [1]
+    coord.submit(0, tokens[0], 1, _grads(0.5))
+    assert coord.wait_round(0, tokens[0], 1).donate is True  # asked at its boundary
+    posted = Joiner.donation(live)
+    assert proxy("donate", 0, tokens[0], 2, posted) is True
+    assert coord.status()["healing_bytes_held"] == sum(x.nbytes for x in posted) > 0
+    r, params, _, _, donate = coord.wait_round(1, rejoined, -1)
+    assert (r, donate) == (2, False)
+    healed = joiner().start(proxy, 1, rejoined, r, dict(zip("ab", params, strict=True)), 5)
+    assert int(healed.step) == 4 and logs[-1][1] == {
+        "round": 2, "step": 4, "counts": [4, 4], "healed_from": 0
+    }  # fmt: skip
+    mu, nu = healed.opt_state[0].mu, healed.opt_state[0].nu
+    for got, want in zip(jax.tree.leaves((mu, nu)),
+                         jax.tree.leaves((live.opt_state[0].mu, live.opt_state[0].nu)),
+                         strict=True):  # fmt: skip
+        np.testing.assert_array_equal(got, want)
+        assert np.any(np.asarray(want) != 0)
+    assert coord.status()["healing"] == [] and coord.status()["healing_bytes_held"] == 0
+    assert [e["donor"] for e in _events(tmp_path, "healed")] == [0]
+    # Restarted again before anyone leased round 2: it enrolls in round 2, whose boundary
+    # island 0 has passed: no peer can be asked in time, it starts fresh at once.
+    again, _ = coord.join(1, STRUCTURE, adam.structure, True)
+    r, params, *_ = coord.wait_round(1, again, -1)
+    fresh = adam.start(proxy, 1, again, r, dict(zip("ab", params, strict=True)), until=5)
+    assert logs[-2][1]["wait_s"] < 1.0 and logs[-1][1]["healed_from"] is None
+    np.testing.assert_array_equal(fresh.opt_state[0].mu["a"], np.zeros(3))
+    line = "island 1: no live peer to heal from (every live peer had started round 2 before it "
+    assert capsys.readouterr().out.startswith(line)
+    assert "every live peer had started round 2" in _events(tmp_path, "heal_fallback")[-1]["why"]
+    # Another optimizer: refused when it asks to heal, in one line; nothing changes.
+    sgd = joiner(dt.TrainState.create(params=initial.params, tx=optax.sgd(0.1, momentum=0.9)))
+    message = r"island 1 cannot heal from island 0: their inner optimizer states differ\. Expected"
+    with pytest.raises(ValueError, match=message) as refused:
+        coord.join(1, STRUCTURE, sgd.structure, True)
+    assert "\n" not in str(refused.value) and "heal_from_peer=False" in str(refused.value)
+    coord.heartbeat(1, again)  # still the live incarnation
+    with pytest.raises(ValueError, match=message):  # a state that reaches it anyway
+        sgd._unflatten(posted, 1, 0)
+    relay = StateRelay()
+    relay.want(1, sgd.structure)
+    assert relay.ask(0, joiners=[1])
+    assert relay.post(Posted(0, 2, adam.structure, posted))
+    with pytest.raises(ValueError, match=message):
+        relay.take(1, 2)
+    relay.forget(1)  # the joiner died before it took the state: nobody needs it
+    assert relay.posted is None and relay.held_bytes() == 0

@@ -16,7 +16,7 @@ import numpy as np
 import optax
 import pytest
 
-from distrain._src.islands import codecs, outer, rows, schedule
+from distrain._src.islands import codecs, healing, joining, outer, rows, schedule
 from distrain._src.islands.outer import (
     DiLoCoState,
     after_inner_step,
@@ -134,6 +134,62 @@ def test_torchft_streaming_diloco_fixtures(index, delay, alpha, fragments):
                 )
                 checked += 1
     assert checked == 2 * 2 * (steps + 1 + 5)  # 2 replicas x 2 layers x (16 + 5 entries)
+
+
+def test_torchft_failure_recovery_fixture_heals_from_the_live_peer():
+    """torchft's seventh fixture (``test_diloco_mocked_failure_recovery_0``, case 0's
+    setup): replica 1 fails, and the history is its restart's. Pinned, to rtol = atol =
+    1e-5, every parameter before every local step and every global step of both:
+
+    - replica 0 alone carries the run while replica 1 is down, and the restart's own
+      first 3 local steps (1, -1, -3 from the initial model, no sync) enter no outer
+      step: the sync at the restart's first sync point (replica 0's step 9) averages
+      replica 0's pseudo-gradient only (including the restart's would give another
+      global, which the fixture's -35 rules out);
+    - healing, at that point, gives the restart replica 0's *state*: its local
+      parameters (fragment 1 mid-round at -29, not the restart's -5) and the global
+      ones (-35, -23); from there both replicas go in lock step, 6 local steps apart.
+
+    The fault-isolated islands heal at a round boundary without fragments, where a live
+    island's local parameters are the global ones, so what moves there is its inner
+    optimizer state (torchft's mock optimizer has none; tests/test_islands_coordinator.py
+    checks Adam's moments)."""
+    name = f"{TORCHFT_TEST}.test_diloco_mocked_failure_recovery_0.json"
+    live, restarted = (record for (record,) in json.loads((TORCHFT / name).read_text()))
+    config = DiLoCoConfig(sync_every=6, outer_optimizer=optax.sgd(2.0), fragments=2)
+    params = {name: jnp.ones((1, 1), jnp.float32) for name in LAYERS}
+    initial = init(config, params, islands=2, params_of=_itself)
+    inner_sgd = jax.vmap(lambda p: jax.tree.map(lambda w: w - 1.0 * 2.0, p))
+    alone = lambda deltas: jax.tree.map(lambda x: x[0], deltas)  # replica 0's only
+    outer = jax.jit(after_inner_step, static_argnums=0, static_argnames=("mean", *BARE))
+    restart, heal = 6, 9  # replica 0's local steps: the restart starts; its first sync
+    states = [initial]
+    for step in range(1, 22):
+        state = states[-1].replace(inner=inner_sgd(states[-1].inner))
+        mean = alone if step <= heal else None
+        state = outer(config, state, mean=mean, **BARE)
+        if step == restart:  # replica 1's new process: the initial model, nothing synced
+            state = state.replace(inner=jax.tree.map(lambda x, i: x.at[1].set(i[1]),
+                                                     state.inner, initial.inner))  # fmt: skip
+        if step == heal:  # replica 1 takes replica 0's state
+            state = state.replace(inner=jax.tree.map(lambda x: x.at[1].set(x[0]), state.inner))
+        states.append(state)
+    checked = 0
+    for replica, record, offset in ((0, live, 0), (1, restarted, restart)):
+        for kind, values_at in (("history", "inner"), ("global_parameter_history", "params")):
+            for k, values in record[kind].items():
+                state = states[int(k) + offset]
+                for name, value in values.items():
+                    got = getattr(state, values_at)[name]
+                    got = got[replica] if values_at == "inner" else got
+                    if replica == 1 and kind == "global_parameter_history" and k == "0":
+                        got = initial.params[name]  # its own start, before it healed
+                    np.testing.assert_allclose(
+                        np.asarray(got), value, rtol=1e-5, atol=1e-5,
+                        err_msg=f"replica {replica} {kind} {name} at local step {k}",
+                    )  # fmt: skip
+                    checked += 1
+    assert checked == 2 * (22 + 7 + 16 + 5)  # 2 layers x every entry of both replicas
 
 
 @pytest.mark.parametrize("outer_dtype", ["bfloat16", "int8", "int4"])
@@ -605,8 +661,12 @@ def test_after_inner_step_is_usable_alone():
     assert int(state.step) == 2
 
 
-@pytest.mark.parametrize("module", [codecs, schedule, outer, rows], ids=lambda m: m.__name__)
+@pytest.mark.parametrize(
+    "module", [codecs, schedule, outer, rows, healing, joining], ids=lambda m: m.__name__
+)
 def test_docstring_examples_run(module):
-    globs = {**vars(module), "jax": jax, "jnp": jnp, "np": np, "optax": optax}
+    import distrain as dt
+
+    globs = {**vars(module), "jax": jax, "jnp": jnp, "np": np, "optax": optax, "dt": dt}
     result = doctest.testmod(module, globs=globs, optionflags=doctest.NORMALIZE_WHITESPACE)
     assert result.attempted > 0 and result.failed == 0

@@ -9,10 +9,9 @@ the coordinator's eyes. If the island is declared dead, or the coordinator resta
 joins again from the global state; a restarted island process does the same.
 
 The inner optimizer state across rounds: kept while the island lives (DiLoCo). When the
-island joins or rejoins, its moments are reset to the initial state's (a new process has
-nothing else, and copying a peer's would tie the islands together again), while the step
-and every count optax keeps go on at ``round * sync_every``, so that learning-rate
-schedules continue where its peers are (:func:`joined_state`).
+island joins or rejoins, it takes a live peer's (``heal_from_peer``) or the initial one,
+and the step and every count optax keeps go on at ``round * sync_every``, so that
+learning-rate schedules continue where its peers are (``joining.py``).
 """
 
 from __future__ import annotations
@@ -36,6 +35,7 @@ from distrain._src.cluster.base import ENV_ISLAND, ENV_ISLANDS, ENV_NUM_PROCESSE
 from distrain._src.goodput import ledger as goodput
 from distrain._src.islands import remote
 from distrain._src.islands.island_coordinator import IslandsConfig, RejoinRequired, structure_of
+from distrain._src.islands.joining import Joiner
 from distrain._src.islands.outer import delayed_nesterov
 from distrain._src.train.metrics import Metric
 
@@ -128,65 +128,6 @@ def _round_loss(losses: list[Any]) -> float | None:
     return float(np.mean(losses))
 
 
-def joined_state(initial: Any, params: Any, step: int) -> Any:
-    """The state an island trains from after it (re)joins in the round that starts at
-    inner step ``step``: the global ``params``; ``step`` as its step; and the *initial*
-    state's optimizer state (a new process has no other, and a live peer's would tie
-    the islands together again) with every count optax keeps set to ``step``.
-
-    optax reads a schedule's step from the optimizer state (``ScaleByScheduleState``,
-    ``inject_hyperparams``' states), not from ``state.step``, and Adam's bias correction
-    from its own count: each is continued, so the island's first update uses the
-    learning rate of step ``step``, as its live peers do. The moments stay at their
-    initial values. Every leaf named ``count`` in a NamedTuple or dataclass of the
-    optimizer state is set, however nested (chains, ``masked``, ``inject_hyperparams``);
-    a custom transformation's state field named ``count`` is taken for a step count too.
-
-    Raises:
-      ValueError: an ``optax.MultiSteps`` state, whose counts are of updates (one per
-        k steps), which this state cannot tell.
-    """
-    joined = initial.replace(params=params)
-    if hasattr(joined, "step"):
-        joined = joined.replace(step=np.asarray(step, np.int32))
-    if hasattr(joined, "opt_state"):
-        leaves = jax.tree_util.tree_leaves_with_path(joined.opt_state)
-        if any(_field(path, "gradient_step") for path, _ in leaves):
-            raise ValueError(
-                f"an island joining at step {step} continues its optimizer's counts, but "
-                "optax.MultiSteps counts updates of k steps each, and its state does not "
-                "hold k. Expected an optimizer that updates at every step; received a state "
-                "with optax.MultiSteps' gradient_step. Accumulate with dt.accumulate_gradients."
-            )
-        joined = joined.replace(opt_state=_with_counts(joined.opt_state, step))
-    return joined
-
-
-def _field(path: tuple[Any, ...], name: str) -> bool:
-    """A leaf that is the field ``name`` of a NamedTuple or a dataclass."""
-    return bool(path) and isinstance(path[-1], jax.tree_util.GetAttrKey) and path[-1].name == name
-
-
-def _with_counts(opt_state: Any, step: int) -> Any:
-    """``opt_state`` with every ``count`` field (a NamedTuple's or a dataclass's) at ``step``."""
-    return jax.tree_util.tree_map_with_path(
-        lambda path, x: (
-            np.full(np.shape(x), step, np.dtype(x.dtype)) if _field(path, "count") else x
-        ),
-        opt_state,
-    )
-
-
-def optimizer_counts(opt_state: Any) -> list[int]:
-    """Every ``count`` in an optimizer state, in pytree order (logged when an island
-    joins: the benchmark checks them against ``round x sync_every``)."""
-    return [
-        int(x)
-        for path, x in jax.tree_util.tree_leaves_with_path(opt_state)
-        if _field(path, "count")
-    ]
-
-
 def _ids(island: int | None, islands: int | None) -> tuple[int, int]:
     def env(name: str) -> int | None:
         value = os.environ.get(name)
@@ -204,6 +145,25 @@ def _ids(island: int | None, islands: int | None) -> tuple[int, int]:
     if not 0 <= island < islands:
         raise ValueError(f"island={island} is not one of islands={islands} (0..{islands - 1}).")
     return island, islands
+
+
+def _check_placement(replicas: int, batch_size: int, rows: int) -> None:
+    """One process per island, and batches (the last, partial one too) that split over
+    the island's replicas."""
+    tail = rows % batch_size
+    if batch_size % replicas or tail % replicas:
+        raise ValueError(
+            f"batch_size={batch_size} and the run's last, partial batch ({tail} rows: "
+            f"the run's {rows} rows mod {batch_size}) must both split over the "
+            f"island's {replicas} replicas. Choose a batch size (or epochs) for which they do."
+        )
+    processes = max(jax.process_count(), int(os.environ.get(ENV_NUM_PROCESSES, "1")))
+    if processes > 1:
+        raise ValueError(
+            f"islands.train runs one process per island in this release; this island has "
+            f"{processes} processes. Use --nproc-per-island 1 (each process may "
+            "hold several devices: --devices-per-proc, or the GPUs it sees)."
+        )
 
 
 class _Log:
@@ -286,6 +246,7 @@ def train(
     call_timeout: float = 120.0,
     ray_address: str | None = None,
     on_round: Callable[[int, Any], None] | None = None,
+    heal_from_peer: bool = True,
 ) -> IslandsResult:
     """Trains this island until every row of ``epochs`` passes was committed.
 
@@ -326,13 +287,21 @@ def train(
       ray_address: the Ray cluster (default ``RAY_ADDRESS``, set by the launcher).
       on_round: called as ``on_round(round, global_params)`` before each round this
         island trains, and once with the final parameters (e.g. to evaluate them).
+      heal_from_peer: when this island (re)joins a run under way, start from a live
+        island's inner optimizer state instead of the initial one (torchft's healing;
+        its counts go on at ``round x sync_every`` either way; on by default: it
+        measured a smaller killed-vs-unkilled loss gap at no slower a rejoin, see
+        docs/islands.md). Every island must then build the same optimizer. Without a
+        live peer that trained a round, it starts as without healing and says so in one
+        line.
 
     Returns:
       :class:`IslandsResult` (the final global parameters on every island).
 
     Raises:
       TypeError: a dataset without random access.
-      ValueError: a model other than the coordinator's; a bad configuration.
+      ValueError: a model other than the coordinator's; a bad configuration; healing
+        from a peer whose optimizer state differs in structure.
       IslandsFailed: fewer than ``min_islands`` islands for ``min_islands_timeout`` s.
 
     Example::
@@ -364,14 +333,7 @@ def train(
         round_timeout=round_timeout,
     )
     strategy = strategy or MirroredStrategy()
-    replicas = strategy.num_replicas_in_sync
-    tail = (num_rows * epochs) % batch_size
-    if batch_size % replicas or tail % replicas:
-        raise ValueError(
-            f"batch_size={batch_size} and the run's last, partial batch ({tail} rows: "
-            f"{num_rows} rows x {epochs} epochs mod {batch_size}) must both split over the "
-            f"island's {replicas} replicas. Choose a batch size (or epochs) for which they do."
-        )
+    _check_placement(strategy.num_replicas_in_sync, batch_size, num_rows * epochs)
     if outer_optimizer is None and mode == "async":
         outer_optimizer = delayed_nesterov(0.7, 0.9, delay=islands)
     outer_optimizer = outer_optimizer or optax.sgd(0.7, momentum=0.9, nesterov=True)
@@ -379,17 +341,11 @@ def train(
     leaves, treedef = jax.tree.flatten(host_params)
     leaves = [np.asarray(x) for x in leaves]
     structure = structure_of(leaves, str(treedef))
-    processes = max(jax.process_count(), int(os.environ.get(ENV_NUM_PROCESSES, "1")))
-    if processes > 1:
-        raise ValueError(
-            f"islands.train runs one process per island in this release; this island has "
-            f"{processes} processes. Use --nproc-per-island 1 (each process may "
-            "hold several devices: --devices-per-proc, or the GPUs it sees)."
-        )
     remote.connect(ray_address, islands)
     sigterm = _SigTerm()  # after Ray's, which it replaces
     own_dir = os.path.join(directory, f"island-{island}")
     log = _Log(own_dir)
+    joiner = Joiner(state, heal_from_peer, sync_every, log)
     ledger = goodput.Ledger(own_dir)
     goodput.set_current(ledger)
     log("start", island=island, pid=os.getpid(), process_start=goodput.process_start_time())
@@ -427,19 +383,18 @@ def train(
             try:
                 if not token:
                     with ledger.phase("sync"):
-                        new, done = coord.retry(lambda: coord("join", island, structure))
+                        new, done = coord.retry(
+                            lambda: coord("join", island, structure, joiner.structure, joiner.heal)
+                        )
                     token.append(new)
                     log("joined")
                     # Steps of earlier incarnations whose round was not applied are lost.
                     ledger.resumed(done)
                     placed, after = None, -1
+                until = call_timeout + min_islands_timeout
                 with ledger.phase("sync"):
-                    r, global_leaves, finished, hang_s = coord.poll(
-                        "wait_round",
-                        island,
-                        token[-1],
-                        after,
-                        until=call_timeout + min_islands_timeout,
+                    r, global_leaves, finished, hang_s, donate = coord.poll(
+                        "wait_round", island, token[-1], after, until=until
                     )
                 # Part of that barrier wait was for a peer found hung (the round deadline).
                 ledger.move(hang_s, "sync", "hang")
@@ -450,16 +405,18 @@ def train(
                 if placed is None:  # a (re)join
                     if first_step and r:  # this process joins a run under way: say where
                         print(f"island {island}: continuing the run in {directory} at round {r}")
-                    joined = joined_state(state, to_tree(global_leaves), r * sync_every)
-                    counts = optimizer_counts(getattr(joined, "opt_state", None))
-                    log("joined_state", round=r, step=r * sync_every, counts=counts)
+                    with ledger.phase("sync"):
+                        joined = joiner.start(
+                            coord, island, token[-1], r, to_tree(global_leaves), until
+                        )
                     placed = strategy.put_replicated(joined)
                 else:
                     placed = placed.replace(params=strategy.put_replicated(to_tree(global_leaves)))
+                if donate:  # a joiner waits for a trained optimizer state: this round's
+                    with ledger.phase("sync"):
+                        coord("donate", island, token[-1], r, joiner.donation(placed))
                 with ledger.phase("sync"):
-                    _positions, rows = coord.poll(
-                        "lease", island, token[-1], r, until=call_timeout + min_islands_timeout
-                    )
+                    _positions, rows = coord.poll("lease", island, token[-1], r, until=until)
                 t0 = time.time()
                 losses = []
                 for k in range(0, len(rows), batch_size):

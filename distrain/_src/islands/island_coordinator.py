@@ -65,6 +65,9 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from distrain._src.islands import store
+from distrain._src.islands.healing import Healing, Posted, StateRelay, check_same_optimizer
+from distrain._src.islands.islands_config import IslandsConfig as IslandsConfig  # re-exported
+from distrain._src.islands.islands_config import structure_of as structure_of  # re-exported
 from distrain._src.islands.rows import RowLedger
 from distrain._src.islands.store import committed_rows as committed_rows  # re-exported
 
@@ -83,6 +86,7 @@ class Round(NamedTuple):
     params: list[np.ndarray]  # the global parameters the round starts from
     finished: bool  # every row was committed: the parameters are the final ones
     hang_s: float  # of the caller's previous round, the wait for islands found hung
+    donate: bool = False  # post your inner optimizer state for a joiner (`donate`)
 
 
 class _Submission(NamedTuple):
@@ -100,95 +104,6 @@ class RejoinRequired(RuntimeError):
 
 class IslandsFailed(RuntimeError):
     """The islands cannot go on (fewer than ``min_islands`` alive for too long)."""
-
-
-@dataclasses.dataclass(frozen=True)
-class IslandsConfig:
-    """What every island and the coordinator agree on.
-
-    Attributes:
-      islands: the islands started (their ids are ``0 .. islands - 1``).
-      sync_every: H, the inner steps per round.
-      batch_size: the rows of one inner step of one island.
-      num_rows: the dataset's rows (one epoch).
-      epochs: passes over the dataset.
-      seed: seeds one row permutation per epoch (``None``: the dataset's order).
-      min_islands: a round is applied only with at least this many live islands.
-      death_timeout: seconds without a heartbeat after which an island is dead.
-      heartbeat_interval: seconds between an island's heartbeats.
-      start_timeout: seconds round 0 waits for every island to join (then it starts with
-        the ``min_islands`` or more that did).
-      min_islands_timeout: seconds a round waits below ``min_islands`` before the run
-        fails.
-      mode: ``"sync"``: rounds with a barrier; ``"async"``: each pseudo-gradient is
-        applied when it arrives (the outer version counts the updates).
-      max_staleness: async only: a pseudo-gradient computed from parameters more than
-        this many updates old is discarded and its rows go back to the queue.
-      round_timeout: the round deadline: seconds an island may hold a lease without
-        submitting, or (synchronous mode) stay without a lease after its round started;
-        past it the island is hung and treated as dead (its rows go back to the queue,
-        its late submission is refused). ``None``: ``ROUND_TIMEOUT_FACTOR`` (5) x the
-        median lease-to-submit time of the last ``ROUND_TIMES_KEPT`` (20) submissions,
-        at least ``ROUND_TIMEOUT_FLOOR`` (60 s).
-    """
-
-    islands: int
-    sync_every: int
-    batch_size: int
-    num_rows: int
-    epochs: int = 1
-    seed: int | None = 0
-    min_islands: int = 1
-    death_timeout: float = 10.0
-    heartbeat_interval: float = 1.0
-    start_timeout: float = 120.0
-    min_islands_timeout: float = 300.0
-    mode: str = "sync"
-    max_staleness: int | None = None
-    round_timeout: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.round_timeout is not None and not self.round_timeout > 0:
-            raise ValueError(
-                "round_timeout must be None or > 0 seconds (None: derived from the observed "
-                f"round times). Received: round_timeout={self.round_timeout!r}."
-            )
-        if self.mode not in ("sync", "async"):
-            raise ValueError(f"mode must be 'sync' or 'async'. Received: mode={self.mode!r}.")
-        if self.max_staleness is not None and (self.mode != "async" or self.max_staleness < 0):
-            raise ValueError(
-                "max_staleness bounds the asynchronous mode: expected mode='async' and "
-                f"max_staleness >= 0. Received: mode={self.mode!r}, "
-                f"max_staleness={self.max_staleness!r}."
-            )
-        for name in ("islands", "sync_every", "batch_size", "num_rows", "epochs", "min_islands"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(
-                    f"IslandsConfig.{name} must be >= 1. Received: {name}={getattr(self, name)!r}."
-                )
-        if self.min_islands > self.islands:
-            raise ValueError(
-                f"min_islands={self.min_islands} is more than the islands started "
-                f"(islands={self.islands}): no round could ever be applied. Expected "
-                "1 <= min_islands <= islands."
-            )
-        if not self.heartbeat_interval > 0 or not self.death_timeout > self.heartbeat_interval:
-            raise ValueError(
-                "Expected 0 < heartbeat_interval < death_timeout (an island must be able to "
-                f"send several heartbeats before it counts as dead). Received: "
-                f"heartbeat_interval={self.heartbeat_interval!r}, "
-                f"death_timeout={self.death_timeout!r}."
-            )
-
-    @property
-    def lease_rows(self) -> int:
-        return self.sync_every * self.batch_size
-
-
-def structure_of(leaves: Sequence[np.ndarray], treedef: str) -> str:
-    """A fingerprint of a parameter pytree: its tree structure, shapes and dtypes."""
-    shapes = ", ".join(f"{np.dtype(x.dtype).name}{list(np.shape(x))}" for x in leaves)
-    return f"{treedef} / {shapes}"
 
 
 class IslandCoordinator:
@@ -254,6 +169,11 @@ class IslandCoordinator:
         self._joined_at: dict[int, float] = {}  # when each live incarnation joined
         self._round_times: collections.deque[float] = collections.deque(maxlen=ROUND_TIMES_KEPT)
         self._dead: dict[int, str] = {}  # why each island was last declared dead
+        # Healing: each live island's optimizer structure, those whose incarnation has
+        # submitted (a trained state to give), and the relay of one state to joiners.
+        self._optimizers: dict[int, str | None] = {}
+        self._seasoned: set[int] = set()
+        self._relay = StateRelay()
         self._hung_at: float | None = None  # the open round's last hang verdict
         self._started_at: float | None = None  # sync: the open round's first lease
         self._hang_s = (-1, 0.0)  # the last applied round, its wait for hung islands
@@ -271,7 +191,9 @@ class IslandCoordinator:
         self._monitor.start()
 
     # ------------------------------------------------------------- the calls
-    def join(self, island: int, structure: str) -> tuple[str, int]:
+    def join(
+        self, island: int, structure: str, optimizer: str | None = None, heal: bool = False
+    ) -> tuple[str, int]:
         """Registers (a new incarnation of) ``island``; returns its token and the inner
         steps of its earlier incarnations that applied rounds kept (its goodput ledger
         counts the rest as lost).
@@ -279,10 +201,12 @@ class IslandCoordinator:
         It is enrolled in the open round if no island leased rows of it yet, else in the
         next one (always the next one if its earlier incarnation submitted in the open
         round); :meth:`wait_round` says when its round opens. It waits for a round's
-        save under way.
+        save under way. ``optimizer``: the structure of its inner optimizer state;
+        ``heal``: it asks for a live peer's state (:meth:`take_state`, ``healing.py``).
 
         Raises:
-          ValueError: another parameter structure, or an island id out of range.
+          ValueError: another parameter structure, an island id out of range, or
+            ``heal`` with an optimizer state unlike a live island's.
           IslandsFailed: the run failed.
         """
         if not 0 <= island < self.config.islands:
@@ -299,9 +223,15 @@ class IslandCoordinator:
             )
         with self._cond:
             self._await_save()
+            for peer, theirs in self._optimizers.items():  # refused: nothing changes
+                if heal and peer != island and theirs is not None:
+                    check_same_optimizer(island, peer, theirs, optimizer)
             if island in self._tokens:
                 self._declare_dead(island, "it joined again (restarted)")
             self._check_error()
+            self._optimizers[island] = optimizer
+            if heal:
+                self._relay.want(island, optimizer)
             token = uuid.uuid4().hex
             self._tokens[island] = token
             self._heartbeats[island] = self._joined_at[island] = time.time()
@@ -407,6 +337,7 @@ class IslandCoordinator:
             if island in self._leased_at:  # a lease of an earlier attempt has no time
                 self._round_times.append(arrived - self._leased_at.pop(island))
             self._heartbeats[island] = time.time()
+            self._seasoned.add(island)  # its state is a trained one: it may heal a joiner
             if self.config.mode == "async":
                 return self._submit_async(island, pseudo_gradient, dict(metrics or {}))
             rows = self.ledger.submitted(island)
@@ -442,7 +373,52 @@ class IslandCoordinator:
             self._pulled[island] = self.round
             hung_round, hang_s = self._hang_s
             hang_s = hang_s if hung_round == after else 0.0
-            return Round(self.round, list(self._params), self.ledger.exhausted, hang_s)
+            joiners = [j for j in self._relay.waiting if j in self._members - self._next]
+            donate = island in self._seasoned and self._relay.ask(island, joiners)
+            return Round(self.round, list(self._params), self.ledger.exhausted, hang_s, donate)
+
+    def donate(self, island: int, token: str, round_: int, leaves: list[np.ndarray]) -> bool:
+        """``island``'s inner optimizer state at the start of ``round_``, posted because
+        :meth:`wait_round` asked (``Round.donate``); False if no joiner waits for it."""
+        with self._cond:
+            self._check_token(island, token)
+            structure = self._optimizers.get(island) or ""
+            current = round_ == self.round or self.config.mode == "async"
+            kept = current and self._relay.post(
+                Posted(island, round_, structure, [np.asarray(x) for x in leaves])
+            )
+            self._event("donate", island=island, round=round_, kept=kept)
+            self._cond.notify_all()
+            return kept
+
+    def take_state(
+        self, island: int, token: str, round_: int, timeout: float = 2.0
+    ) -> Healing | None:
+        """A live peer's inner optimizer state for ``island``, which starts ``round_``
+        (after ``join(..., heal=True)``). Returns :class:`Healing`: the donor and the
+        leaves, or ``donor=None`` and why no live peer can give one (the island starts
+        fresh); None if a donor may still post within ``timeout`` s (call again).
+
+        Raises:
+          ValueError: the donor's optimizer state is unlike the island's.
+        """
+        deadline = time.time() + timeout
+        with self._cond:
+            while True:
+                self._check_token(island, token)
+                self._check_error()
+                synchronous = self.config.mode == "sync"  # async: any peer's boundary
+                healing = self._relay.take(island, round_ if synchronous else None)
+                if healing is not None:
+                    self._event("healed", island=island, round=round_, donor=healing.donor)
+                    return healing
+                why = self._no_donor(island, round_)
+                if why is not None:
+                    self._relay.forget(island)
+                    self._event("heal_fallback", island=island, round=round_, why=why)
+                    return Healing(None, None, why)
+                if not self._cond.wait(deadline - time.time()) and time.time() >= deadline:
+                    return None
 
     def leave(self, island: int, token: str) -> None:
         """``island`` finished (every row committed): it stops counting as a member."""
@@ -452,6 +428,7 @@ class IslandCoordinator:
                 self._heartbeats.pop(island, None)
                 self._members.discard(island)
                 self._next.discard(island)
+                self._forget(island)
                 self._event("leave", island=island)
 
     def status(self) -> dict[str, Any]:
@@ -466,6 +443,8 @@ class IslandCoordinator:
                 "total_rows": self.ledger.total,
                 "finished": self.ledger.exhausted,
                 "round_deadline_s": self._round_deadline(),
+                "healing": sorted(self._relay.waiting),  # joiners waiting for a peer's state
+                "healing_bytes_held": self._relay.held_bytes(),
                 "error": self._error,
             }
 
@@ -477,6 +456,20 @@ class IslandCoordinator:
         self._stop.set()
 
     # ------------------------------------------------------------- internals
+    def _no_donor(self, island: int, round_: int) -> str | None:
+        """Why no live peer can post a state for ``island``'s ``round_``; None while one
+        still may (one was asked, or one has not reached that round's boundary yet)."""
+        if self._relay.asked in self._tokens:
+            return None
+        peers = [i for i in self._seasoned if i in self._tokens and i not in self._relay.waiting]
+        if not peers:
+            return "no live peer has trained a round since it (or the coordinator) started"
+        if self.config.mode == "async":
+            return None  # the next peer to pull the parameters is asked
+        if round_ != self.round or all(self._pulled.get(i, -1) >= round_ for i in peers):
+            return f"every live peer had started round {round_} before it could be asked"
+        return None
+
     def _check_token(self, island: int, token: str) -> None:
         if self._tokens.get(island) != token:
             why = self._dead.get(island)
@@ -488,6 +481,12 @@ class IslandCoordinator:
             raise RejoinRequired(
                 f"island {island} is not a live member of this coordinator ({cause}): join again."
             )
+
+    def _forget(self, island: int) -> None:
+        """``island``'s incarnation ended: it neither heals a joiner nor waits to heal."""
+        self._relay.forget(island)
+        self._seasoned.discard(island)
+        self._optimizers.pop(island, None)
 
     def _check_error(self) -> None:
         if self._error is not None:
@@ -540,6 +539,7 @@ class IslandCoordinator:
         self._tokens.pop(island, None)
         self._heartbeats.pop(island, None)
         self._dead[island] = why
+        self._forget(island)
         if island not in self._submissions:  # a submission that arrived still counts
             self._members.discard(island)
         self._next.discard(island)
@@ -635,6 +635,7 @@ class IslandCoordinator:
         if self.config.mode == "sync":
             self._members = {i for i in self._members if i in self._tokens} | self._next
             self._next = set()
+            self._relay.drop_before(self.round)
         self._leased -= set(islands)
         self._submissions.clear()
         self._hung_at, self._started_at, self._hang_s = None, None, (r, hang_s)
@@ -743,28 +744,14 @@ class IslandCoordinator:
             warnings.warn(f"the islands' checkpoint {line}.", stacklevel=3)
             self._event("checkpoint_unreadable", reason=line)
         if ckpt is not None:
-            self._check_checkpoint(ckpt.path, ckpt.meta)
+            rows = {k: getattr(self.config, k) for k in ("num_rows", "epochs", "seed")}
+            store.check_matches(ckpt.path, ckpt.meta, self.structure, rows)
             self._params, self._opt_leaves = ckpt.params, ckpt.opt_leaves
             self.ledger = RowLedger.from_state(ckpt.meta["ledger"])
             self._island_steps = {int(i): int(n) for i, n in ckpt.meta["island_steps"].items()}
             self.round = int(ckpt.meta["round"])
         store.drop_rows_from(self.directory, self.round)  # an abandoned timeline's
         return None if ckpt is None else self.round
-
-    def _check_checkpoint(self, path: str, meta: dict[str, Any]) -> None:
-        if meta["structure"] != self.structure:
-            raise ValueError(
-                f"{path} holds a checkpoint of another model; nothing was restored.\n"
-                f"  checkpoint: {meta['structure']}\n  this run:   {self.structure}\n"
-                "Use another directory for another model."
-            )
-        saved = {k: v for k, v in meta["config"].items() if k in ("num_rows", "epochs", "seed")}
-        mine = {k: getattr(self.config, k) for k in saved}
-        if saved != mine:
-            raise ValueError(
-                f"{path} was written for the rows {saved}; this run has {mine}. The row ledger "
-                "would not match: use another directory."
-            )
 
     def _event(self, event: str, **fields: Any) -> None:
         line = {"event": event, "t": time.time(), "pid": os.getpid(), **fields}

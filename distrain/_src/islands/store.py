@@ -117,6 +117,28 @@ def committed_rows(directory: str) -> np.ndarray:
     return np.concatenate(parts) if parts else np.zeros(0, np.int64)
 
 
+def check_matches(path: str, meta: dict[str, Any], structure: str, rows: dict[str, Any]) -> None:
+    """Refuses to resume from the checkpoint at ``path`` unless it holds this run's model
+    (``structure``) and rows (``rows``: its ``num_rows``, ``epochs`` and ``seed``).
+
+    Raises:
+      ValueError: another model, or other rows (the row ledger would not match).
+    """
+    if meta["structure"] != structure:
+        raise ValueError(
+            f"{path} holds a checkpoint of another model; nothing was restored.\n"
+            f"  checkpoint: {meta['structure']}\n  this run:   {structure}\n"
+            "Use another directory for another model."
+        )
+    saved = {k: v for k, v in meta["config"].items() if k in rows}
+    mine = {k: rows[k] for k in saved}
+    if saved != mine:
+        raise ValueError(
+            f"{path} was written for the rows {saved}; this run has {mine}. The row ledger "
+            "would not match: use another directory."
+        )
+
+
 def _rounds(directory: str) -> list[int]:
     root = os.path.join(directory, "checkpoints")
     if not os.path.isdir(root):
