@@ -10,10 +10,14 @@ balance.
   active parameters (the dense MLP ``moe_top_k`` times as wide), one device, batches
   pre-staged; interleaved rounds, medians, and the median of per-round ratios.
 * **Balance**: the MoE LM trained on real text (the Python standard library's sources,
-  as the LM example) with the load-balancing loss at weight 0.01 and at 0: the experts'
-  load's coefficient of variation (``moe_load_cv``, over the blocks) by log window.
+  as the LM example) with the load-balancing loss at weight 0.01 and at 0, and with
+  DeepSeek-V3's selection bias (``moe_balance="bias"``, no loss): the experts' load's
+  coefficient of variation (``moe_load_cv``, over the blocks) by log window, and the
+  held-out loss at the end.
 
-Prints a table and writes the JSON (``--json``).
+Prints a table and writes the JSON (``--json``). ``--balance-only bias`` (arms, comma
+separated) runs only those balance arms and replaces them in the ``--json`` file, the
+rest of which it keeps.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import platform
 import shlex
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +52,7 @@ import distrain as dt  # noqa: E402
 from benchmarks.loops import Forever  # noqa: E402
 from distrain.models import EXPERT_LAYOUT, LMConfig, count_params  # noqa: E402
 from examples.lm import data as lm_data  # noqa: E402
-from examples.lm.train import Settings, init_state, train_step  # noqa: E402
+from examples.lm.train import Settings, eval_step, init_state, train_step  # noqa: E402
 
 MOE = LMConfig(seq_len=64, d_model=128, n_layers=2, n_heads=4, d_ff=256, moe_experts=8)
 
@@ -131,21 +136,39 @@ def speed(cfg: LMConfig, batch: int, steps: int, rounds: int) -> dict[str, Any]:
     }
 
 
+# The balancing arms: LMConfig fields over MOE's. The Switch loss (weight 0.01), no
+# balancing, and DeepSeek-V3's selection bias at its own rate (0.001), with no loss.
+ARMS: dict[str, dict[str, Any]] = {
+    "balance_loss_0.01": {"moe_balance_weight": 0.01},
+    "balance_loss_0": {"moe_balance_weight": 0.0},
+    "bias": {"moe_balance": "bias", "moe_bias_rate": 1e-3},
+}
+
+
 def balance(
-    cfg: LMConfig, batch: int, steps: int, log_every: int, documents: int
+    cfg: LMConfig,
+    batch: int,
+    steps: int,
+    log_every: int,
+    documents: int,
+    arms: list[str],
 ) -> dict[str, Any]:
-    # Only "train" is used; a few documents need a larger held-out share to split at all.
+    """Each arm trained ``steps`` steps from the same initialisation and data order; its
+    load's CV by log window and its held-out loss (the corpus's held-out documents) at
+    the end."""
+    # A few documents need a larger held-out share to split at all.
     corpus = lm_data.python_corpus(0.01 if documents >= 400 else 0.2, max_documents=documents)
     rows = {"tokens": lm_data.pack(corpus["train"], cfg.seq_len)}
+    heldout = {"tokens": lm_data.pack(corpus["test"], cfg.seq_len, max_rows=64 * batch)}
     out = {}
-    for name, weight in (("balance_loss_0.01", 0.01), ("balance_loss_0", 0.0)):
-        c = dataclasses.replace(cfg, moe_balance_weight=weight)
+    for name in arms:
+        c = dataclasses.replace(cfg, **ARMS[name])
         apply_fn, state = init_state(settings(c, batch))
-        step = functools.partial(train_step, apply_fn=apply_fn)
         cv: list[float] = []
         trainer = dt.Trainer(
             dt.OneDeviceStrategy(jax.devices()[0]),
-            step,
+            functools.partial(train_step, apply_fn=apply_fn),
+            functools.partial(eval_step, apply_fn=apply_fn),
             log_every=log_every,
             callbacks=[
                 dt.callbacks.LambdaCallback(
@@ -156,8 +179,17 @@ def balance(
             ],
         )
         data = dt.data.ArrayPipeline(rows, global_batch_size=batch, seed=0, num_epochs=None)
-        trainer.fit(state, data, steps=steps)
-        out[name] = {"moe_load_cv_by_window": cv, "first": cv[0], "last": cv[-1]}
+        state, _ = trainer.fit(state, data, steps=steps)
+        test = dt.data.ArrayPipeline(heldout, global_batch_size=batch, num_epochs=1)
+        loss = trainer.evaluate(state, test)["loss"]
+        out[name] = {
+            "fields": ARMS[name],
+            "moe_load_cv_by_window": cv,
+            "first": cv[0],
+            "last": cv[-1],
+            "heldout_loss": float(loss),
+            "heldout_tokens": int(heldout["tokens"].shape[0] * cfg.seq_len),
+        }
     return {"steps": steps, "log_every": log_every, "runs": out}
 
 
@@ -174,34 +206,66 @@ def table(result: dict[str, Any]) -> str:
         f"parameters {s['tokens_per_sec']['dense']:,.0f}: MoE {s['moe_vs_dense']:.3f}x"
     )
     for name, run in result["balance"]["runs"].items():
-        lines.append(f"expert load CV, {name}: {run['first']:.3f} -> {run['last']:.3f}")
+        heldout = f", held-out loss {run['heldout_loss']:.4f}" if "heldout_loss" in run else ""
+        lines.append(f"expert load CV, {name}: {run['first']:.3f} -> {run['last']:.3f}{heldout}")
     return "\n".join(lines)
+
+
+def _balance_only(args: argparse.Namespace, cfg: LMConfig, command: str) -> dict[str, Any]:
+    """``--balance-only``: the named arms, replaced in the ``--json`` file's balance runs."""
+    arms = args.balance_only.split(",")
+    unknown = [a for a in arms if a not in ARMS]
+    if unknown:
+        raise SystemExit(f"--balance-only: unknown arm(s) {unknown}; choose among {list(ARMS)}.")
+    if not args.json or not Path(args.json).exists():
+        raise SystemExit(
+            "--balance-only replaces runs in an existing result: pass --json FILE of a full run."
+        )
+    result = json.loads(Path(args.json).read_text())
+    steps, log_every = result["balance"]["steps"], result["balance"]["log_every"]
+    load_before = os.getloadavg()
+    new = balance(cfg, 16, steps, log_every, documents=400, arms=arms)["runs"]
+    for run in new.values():
+        run.update(command=command, jax=jax.__version__, date=time.strftime("%Y-%m-%d"))
+        run["load_average_before_after"] = [list(load_before), list(os.getloadavg())]
+    result["balance"]["runs"].update(new)
+    return result
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=None, help="write the result here")
     p.add_argument("--toy", action="store_true", help="a few steps: the smoke test")
+    p.add_argument(
+        "--balance-only",
+        default=None,
+        metavar="ARMS",
+        help=f"only these balance arms (comma separated, of {list(ARMS)}), merged into --json",
+    )
     args = p.parse_args(argv)
     cfg = MOE if not args.toy else dataclasses.replace(MOE, seq_len=16, d_model=32, n_heads=2)
-    axes = [x for x in (2, 4, 8) if x <= jax.device_count() and cfg.moe_experts % x == 0]
-    result: dict[str, Any] = {
-        "command": "python -m benchmarks.experts "
-        + shlex.join(sys.argv[1:] if argv is None else argv),
-        "model": dataclasses.asdict(cfg),
-        "jax": jax.__version__,
-        "device_kind": jax.devices()[0].device_kind,
-        "host": {"machine": platform.machine(), "python": platform.python_version()},
-        "memory": memory(cfg, axes),
-        "speed": speed(cfg, 8 if args.toy else 16, 4 if args.toy else 20, 1 if args.toy else 5),
-        "balance": balance(
-            cfg,
-            8 if args.toy else 16,
-            8 if args.toy else 600,
-            4 if args.toy else 50,
-            documents=40 if args.toy else 400,
-        ),
-    }
+    command = "python -m benchmarks.experts " + shlex.join(sys.argv[1:] if argv is None else argv)
+    if args.balance_only is not None:
+        result = _balance_only(args, cfg, command)
+    else:
+        axes = [x for x in (2, 4, 8) if x <= jax.device_count() and cfg.moe_experts % x == 0]
+        result = {
+            "command": command,
+            "model": dataclasses.asdict(cfg),
+            "jax": jax.__version__,
+            "device_kind": jax.devices()[0].device_kind,
+            "host": {"machine": platform.machine(), "python": platform.python_version()},
+            "memory": memory(cfg, axes),
+            "speed": speed(cfg, 8 if args.toy else 16, 4 if args.toy else 20, 1 if args.toy else 5),
+            "balance": balance(
+                cfg,
+                8 if args.toy else 16,
+                8 if args.toy else 600,
+                4 if args.toy else 50,
+                documents=40 if args.toy else 400,
+                arms=list(ARMS),
+            ),
+        }
     print(table(result))
     if args.json:
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)

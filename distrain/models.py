@@ -44,6 +44,7 @@ from distrain._src.models.lora import lora_dropout as lora_dropout
 from distrain._src.models.lora import merge_lora as merge_lora
 from distrain._src.models.mixtral import Mixtral as Mixtral
 from distrain._src.models.mixtral import MixtralConfig as MixtralConfig
+from distrain._src.models.moe_block import update_expert_bias as update_expert_bias
 from distrain._src.models.peft_format import load_adapter as load_adapter
 from distrain._src.models.peft_format import save_adapter as save_adapter
 from distrain._src.models.transformer import EXPERT_LAYOUT as EXPERT_LAYOUT
@@ -106,4 +107,5 @@ __all__ = [
     "save_adapter",
     "save_pretrained",
     "transformer",
+    "update_expert_bias",
 ]

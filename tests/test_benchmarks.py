@@ -344,7 +344,8 @@ def test_experts_toy_runs(tmp_path):
     assert active["moe"] == pytest.approx(active["dense"], rel=0.02)
     assert all(v > 0 for v in speed["tokens_per_sec"].values())
     runs = result["balance"]["runs"]
-    assert set(runs) == {"balance_loss_0.01", "balance_loss_0"}
+    assert set(runs) == {"balance_loss_0.01", "balance_loss_0", "bias"}
+    assert all(math.isfinite(r["heldout_loss"]) for r in runs.values())
     assert all(len(r["moe_load_cv_by_window"]) == 2 for r in runs.values())
     assert "expert load CV" in printed
 

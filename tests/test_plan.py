@@ -147,12 +147,12 @@ def test_a_batch_that_does_not_split_and_a_peak_over_memory_are_said(devices):
     assert f"  problem: {split}" in text and f"  to change: {got['advice'][0]}" in text
 
 
-def _cfg(accum=1, kwargs=None):
+def _cfg(accum=1, kwargs=None, fn="mylab.model:net"):
     from types import SimpleNamespace
 
     return SimpleNamespace(
         train=SimpleNamespace(grad_accum_steps=accum),
-        model=SimpleNamespace(fn="mylab.model:net", kwargs=kwargs or {}),
+        model=SimpleNamespace(fn=fn, kwargs=kwargs or {}),
     )
 
 
@@ -216,6 +216,19 @@ def test_advice_when_the_peak_is_over_or_close_to_the_memory():
     assert advice[0].startswith("the state alone (150 B per device) does not fit")
     assert advice[1].startswith("model.kwargs.remat=nothing_saveable")
     assert len(advice) == 2
+
+    # The LM's blocks recomputed but unrolled: scan them (issue 58); not when they
+    # already are, not for a model without the field, not with one block.
+    lm = "distrain.models:transformer"
+    _, advice = problems_and_advice(plan, _cfg(kwargs={"remat": "nothing_saveable"}, fn=lm))
+    assert advice[1].startswith("model.kwargs.scan_layers=true: the blocks stacked")
+    for kwargs, fn in [
+        ({"remat": "nothing_saveable", "scan_layers": True}, lm),
+        ({"remat": "nothing_saveable", "n_layers": 1}, lm),
+        ({"remat": "nothing_saveable"}, "mylab.model:net"),
+    ]:
+        _, advice = problems_and_advice(plan, _cfg(kwargs=kwargs, fn=fn))
+        assert not any("scan_layers" in a for a in advice)
 
 
 @pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py

@@ -41,7 +41,14 @@ import optax
 from flax import nnx
 
 import distrain as dt
-from distrain.models import LMConfig, Transformer, count_params, flops_per_token, make_apply_fn
+from distrain.models import (
+    LMConfig,
+    Transformer,
+    count_params,
+    flops_per_token,
+    make_apply_fn,
+    update_expert_bias,
+)
 
 ApplyFn = Callable[..., jax.Array]
 
@@ -112,6 +119,7 @@ def train_step(
 
     grads, (per_token, weights, aux) = jax.grad(loss_fn, has_aux=True)(state.params)
     state = state.apply_gradients(grads=grads)  # gradients summed over replicas
+    state = update_expert_bias(state, aux)  # moe_balance="bias": the experts' bias moves
     metrics: dict[str, Any] = {"loss": dt.metrics.Mean.from_values(per_token, mask=weights)}
     if aux:
         load = aux["expert_load"]

@@ -50,8 +50,8 @@ from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from distrain._src.models import kv_cache
+from distrain._src.models.moe_block import MoE, check_moe_config, moe_aux
 from distrain._src.nn.attention import dot_product_attention
-from distrain._src.nn.moe import moe
 from distrain._src.nn.pipeline_stages import pipeline
 
 __all__ = [
@@ -101,6 +101,11 @@ class LMConfig:
       pipeline_microbatches: ``None``: the blocks are a list; an int ``M``: they are
         stacked and run by ``dt.nn.pipeline`` with ``M`` microbatches.
       pipeline_repeats: ``dt.nn.pipeline``'s ``repeats`` (the circular schedule).
+      scan_layers: stack the blocks and run them by one ``jax.lax.scan``: the program
+        holds one block, and under ``remat`` its backward pass keeps only each block's
+        input whatever the compiler's schedule (unrolled, XLA:CPU keeps every block's
+        recomputed temporaries alive: no saving). Layout rules see a leading layer
+        dimension (``blocks/...``).
       moe_experts: ``None``: dense MLPs; an int ``E``: mixture-of-experts MLPs of ``E``
         experts of width ``d_ff`` (``dt.nn.moe``).
       moe_top_k: experts per token.
@@ -110,6 +115,9 @@ class LMConfig:
       moe_shared_expert: add a dense expert of width ``d_ff`` every token goes through.
       moe_balance_weight, moe_z_weight: the weights of the load-balancing loss and the
         router z-loss in ``moe_loss`` (Switch Transformer's 0.01; ST-MoE's 0.001).
+      moe_balance: ``"loss"`` (the load-balancing loss) or ``"bias"`` (DeepSeek-V3: a
+        per-block selection bias, moved by ``moe_bias_rate`` after each step by
+        ``update_expert_bias``; no load-balancing loss). See ``moe_block.py``.
     """
 
     vocab_size: int = 256
@@ -132,6 +140,9 @@ class LMConfig:
     moe_shared_expert: bool = False
     moe_balance_weight: float = 0.01
     moe_z_weight: float = 0.001
+    moe_balance: Literal["loss", "bias"] = "loss"
+    moe_bias_rate: float = 1e-3
+    scan_layers: bool = False
 
     def __post_init__(self) -> None:
         names = ["vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "pipeline_repeats"]
@@ -170,32 +181,7 @@ class LMConfig:
                 f"LMConfig.dtype must be one of {sorted(_DTYPES)}. Received: {self.dtype!r}."
             )
         if self.moe_experts is not None:
-            self._check_moe()
-
-    def _check_moe(self) -> None:
-        e, k = self.moe_experts, self.moe_top_k
-        if isinstance(e, bool) or not isinstance(e, int) or e < 1:
-            raise ValueError(f"LMConfig.moe_experts must be a positive int. Received: {e!r}.")
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= e:
-            raise ValueError(
-                f"LMConfig.moe_top_k must be an int from 1 to moe_experts ({e}). Received: {k!r}."
-            )
-        c = self.moe_capacity_factor
-        if c is not None and not c > 0:
-            raise ValueError(
-                f"LMConfig.moe_capacity_factor must be > 0 (or None: dropless). Received: {c!r}."
-            )
-        if self.moe_capacity_group not in ("call", "device"):
-            raise ValueError(
-                "LMConfig.moe_capacity_group must be 'call' or 'device'. "
-                f"Received: {self.moe_capacity_group!r}."
-            )
-        if self.pipeline_microbatches is not None:
-            raise ValueError(
-                "LMConfig: mixture-of-experts blocks (moe_experts) cannot be pipelined yet "
-                "(their statistics would have to leave dt.nn.pipeline's schedule). Use "
-                "pipeline_microbatches=None, or a dense model."
-            )
+            check_moe_config(self)
 
     @property
     def head_dim(self) -> int:
@@ -334,35 +320,6 @@ class MLP(nnx.Module):
         return self.proj(jax.nn.gelu(self.fc(x)))
 
 
-class MoE(nnx.Module):
-    """``moe_experts`` GELU experts (``d_model -> d_ff -> d_model``), ``moe_top_k`` per
-    token, through ``dt.nn.moe``; returns ``(y, statistics)``."""
-
-    def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs) -> None:
-        e, d, f = cfg.moe_experts or 1, cfg.d_model, cfg.ff
-        init = nnx.initializers.normal(0.02)
-        out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layers))
-        self.cfg = cfg
-        self.router = nnx.Param(init(rngs.params(), (d, e)))
-        self.w_in = nnx.Param(init(rngs.params(), (e, d, f)))
-        self.w_out = nnx.Param(out_init(rngs.params(), (e, f, d)))
-        self.shared = MLP(cfg, rngs=rngs) if cfg.moe_shared_expert else None
-
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, dict[str, jax.Array]]:
-        cfg = self.cfg
-        params = {"router": self.router[...], "w_in": self.w_in[...], "w_out": self.w_out[...]}
-        y, stats = moe(
-            x,
-            params,
-            top_k=cfg.moe_top_k,
-            capacity_factor=cfg.moe_capacity_factor,
-            capacity_group=cfg.moe_capacity_group,
-        )
-        if self.shared is not None:
-            y = y + self.shared(x)
-        return y, stats
-
-
 class Block(nnx.Module):
     """Pre-norm transformer block; a mixture-of-experts block also returns its routing
     statistics."""
@@ -372,7 +329,11 @@ class Block(nnx.Module):
         self.norm1 = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.norm2 = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, rngs=rngs)
-        self.mlp: MLP | MoE = MoE(cfg, rngs=rngs) if cfg.moe_experts else MLP(cfg, rngs=rngs)
+        self.mlp: MLP | MoE = (
+            MoE(cfg, rngs=rngs, shared=_shared_expert(cfg, rngs))
+            if cfg.moe_experts
+            else MLP(cfg, rngs=rngs)
+        )
 
     def __call__(self, x: jax.Array, ctx: Context) -> Any:
         x = x + self.attn(self.norm1(x), ctx)
@@ -407,7 +368,7 @@ class Transformer(nnx.Module):
             if cfg.positions == "learned"
             else None
         )
-        if cfg.pipeline_microbatches is None:
+        if cfg.pipeline_microbatches is None and not cfg.scan_layers:
             self.blocks: Any = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
         else:  # one Block whose parameters have a leading layer dimension
 
@@ -441,20 +402,40 @@ class Transformer(nnx.Module):
         else:
             rope = rope_tables(pos, cfg.head_dim)
         ctx = Context(rope, segment_ids, positions)
-        stats: list[dict[str, jax.Array]] = []
+        stats: dict[str, jax.Array] = {}  # a mixture of experts': [n_layers, ...] each
         if cfg.pipeline_microbatches is not None:
             x = self._pipelined(x, ctx)
+        elif cfg.scan_layers:
+            x, stats = self._scanned(x, ctx)
         else:
-            call = _remat(cfg.remat)
+            call, per_block = _remat(cfg.remat), []
             for block in self.blocks:
                 out = call(block, x, ctx)
                 if cfg.moe_experts:
                     out, block_stats = out
-                    stats.append(block_stats)
+                    per_block.append(block_stats)
                 x = constrain_hidden(out)
+            if per_block:
+                stats = {k: jnp.stack([s[k] for s in per_block]) for k in per_block[0]}
         # The tied head in the compute dtype; logits (and so the loss) in float32.
         logits = self.embed.attend(self.norm(x)).astype(jnp.float32)
-        return (logits, _moe_aux(cfg, stats)) if return_aux else logits
+        return (logits, moe_aux(cfg, stats)) if return_aux else logits
+
+    def _scanned(self, x: jax.Array, ctx: Context) -> tuple[jax.Array, dict[str, jax.Array]]:
+        """The stacked blocks by one ``lax.scan`` (each under ``remat``'s policy); a
+        mixture of experts' statistics come out stacked, one row per block."""
+        cfg = self.cfg
+        graphdef, params = nnx.split(self.blocks)
+
+        def layer(h: jax.Array, p: Any) -> tuple[jax.Array, Any]:
+            out = nnx.merge(graphdef, p)(h, ctx)
+            h, block_stats = out if cfg.moe_experts else (out, {})
+            return constrain_hidden(h), block_stats
+
+        policy = REMAT_POLICIES[cfg.remat]
+        if policy is not None:
+            layer = jax.checkpoint(layer, policy=policy())
+        return jax.lax.scan(layer, x, params)
 
     def _pipelined(self, x: jax.Array, ctx: Context) -> jax.Array:
         """The stacked blocks through ``dt.nn.pipeline``; ``ctx`` (per row) goes with
@@ -482,16 +463,8 @@ def _call_block(block: Block, x: jax.Array, ctx: Context) -> Any:
     return block(x, ctx)
 
 
-def _moe_aux(cfg: LMConfig, stats: list[dict[str, jax.Array]]) -> dict[str, jax.Array]:
-    """The blocks' routing statistics averaged, and ``moe_loss`` (empty: a dense model)."""
-    if not stats:
-        return {}
-    aux = {k: jnp.mean(jnp.stack([s[k] for s in stats]), axis=0) for k in stats[0]}
-    aux["moe_loss"] = (
-        cfg.moe_balance_weight * aux["load_balancing_loss"]
-        + cfg.moe_z_weight * aux["router_z_loss"]
-    )
-    return aux
+def _shared_expert(cfg: LMConfig, rngs: nnx.Rngs) -> Callable[[], MLP] | None:
+    return (lambda: MLP(cfg, rngs=rngs)) if cfg.moe_shared_expert else None
 
 
 def _remat(name: str) -> Callable[[Block, jax.Array, Context], Any]:

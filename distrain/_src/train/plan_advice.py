@@ -19,6 +19,8 @@ MARGIN = 0.9
 
 # LMConfig.remat's policies from the least recomputation to the most (examples/lm).
 _REMAT_ORDER = ("none", "dots_saveable", "nothing_saveable")
+# The LM (distrain.models.LMConfig) whose blocks scan_layers stacks.
+_LM = "distrain.models:transformer"
 
 
 def flow(axes: dict[str, int]) -> str:
@@ -189,6 +191,20 @@ def _to_fit(plan: dict[str, Any], cfg: Any, k: int) -> list[str]:
             "a policy, so the backward pass recomputes activations instead of keeping them "
             "(XLA:CPU's estimate may not show the saving a GPU's memory-aware scheduler "
             "makes, docs/lm.md)."
+        )
+    if (
+        str(cfg.model.fn) == _LM  # the LM whose blocks can be scanned
+        and isinstance(remat, str)
+        and remat != "none"
+        and not cfg.model.kwargs.get("scan_layers")
+        and cfg.model.kwargs.get("n_layers", 2) > 1
+        and cfg.model.kwargs.get("pipeline_microbatches") is None
+    ):
+        out.append(
+            "model.kwargs.scan_layers=true: the blocks stacked and run by one scan, so "
+            "the backward pass keeps only each block's input (unrolled, XLA:CPU's "
+            "schedule keeps every recomputed block's temporaries alive; layout rules of "
+            "block leaves then need a leading null for the layer dimension)."
         )
     out.extend(_expert_capacity(cfg, inner))
     rules = _tensor_rules(cfg)
