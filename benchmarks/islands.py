@@ -258,8 +258,9 @@ class Recipe:
     def __init__(self, overrides: list[str], steps: int, data: Path, rows_per_replica: int):
         import jax
 
+        from distrain._src.train.import_paths import resolve_callable
         from distrain._src.train.optimizer import build_optimizer
-        from distrain._src.train.run import _init_model, resolve_callable
+        from distrain._src.train.run import _init_model
         from distrain.config import load_config
         from examples.lm import data as lm_data
         from examples.lm import train as lm_train

@@ -70,8 +70,9 @@ if str(ROOT) not in sys.path:
 
 import distrain as dt  # noqa: E402
 from benchmarks.loops import Forever  # noqa: E402
+from distrain._src.train.import_paths import resolve_callable  # noqa: E402
 from distrain._src.train.optimizer import build_optimizer  # noqa: E402
-from distrain._src.train.run import _init_model, resolve_callable  # noqa: E402
+from distrain._src.train.run import _init_model  # noqa: E402
 from distrain._src.train.state import TrainState  # noqa: E402
 from distrain.config import load_config  # noqa: E402
 

@@ -207,7 +207,7 @@ def test_the_config_error_offline_lists_the_keys_a_config_can_set(tmp_path):
     """Issue 51: offline, `distrain train --config configs/shakespeare_char.yaml` listed
     `data.kwargs.kwargs` as a settable key (it fails) and not `data.kwargs.url` (which
     works). A data function's own **kwargs is never listed."""
-    from distrain._src.train.run import _load_data
+    from distrain._src.train.data_from_config import load_data as _load_data
 
     url = f"http://127.0.0.1:{free_port()}/input.txt"  # nothing listens there
     cfg = load_config(

@@ -659,7 +659,7 @@ def test_a_config_names_islands_and_plan_counts_the_global_copy(devices):
     optimizer by default); distrain plan's state per device is mirrored's plus the
     global parameters and the outer momentum."""
     from distrain._src.train.plan import plan_config
-    from distrain._src.train.run import build_strategy
+    from distrain._src.train.strategy_from_config import build_strategy
 
     cfg = dt.config.load_config(QUICKSTART, [*DILOCO, "strategy.islands.fragments=2"])
     strategy = build_strategy(cfg.strategy)
@@ -699,7 +699,7 @@ def test_config_errors(overrides, match):
 
 
 def test_an_unknown_outer_optimizer_names_its_config_field(devices):
-    from distrain._src.train.run import build_strategy
+    from distrain._src.train.strategy_from_config import build_strategy
 
     cfg = dt.config.load_config(
         QUICKSTART, [*DILOCO, "strategy.islands.outer_optimizer.name=nesterov_sgd"]
@@ -760,7 +760,7 @@ def test_config_errors_name_the_config_fields(devices):
     """Issue 51: on a 1-device machine the DiLoCo config command said `islands=4 must
     divide the 1 devices ... or pass `devices`` (the Python argument), and a missing
     sync_every said `... is required: None.`"""
-    from distrain._src.train.run import build_strategy
+    from distrain._src.train.strategy_from_config import build_strategy
 
     with pytest.raises(dt.config.ConfigError) as missing:
         dt.config.load_config(QUICKSTART, DILOCO[:2])

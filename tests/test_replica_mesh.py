@@ -166,7 +166,7 @@ def test_layout_errors_name_what_is_wrong(devices):
 
 def test_configs_take_a_named_mesh_layout_and_logical_rules(devices):
     from distrain._src.train.config import config_from_dict
-    from distrain._src.train.run import build_strategy
+    from distrain._src.train.strategy_from_config import build_strategy
 
     code = {"model": {"fn": "m:f"}, "data": {"fn": "d:f"}, "train": {"train_step": "s:f"}}
     strategy_cfg = {

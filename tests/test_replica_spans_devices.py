@@ -370,7 +370,7 @@ def test_devices_per_replica_across_processes():
 
 def test_configs_take_devices_per_replica(devices):
     from distrain._src.train.config import config_from_dict
-    from distrain._src.train.run import build_strategy
+    from distrain._src.train.strategy_from_config import build_strategy
     from distrain.config import ConfigError
 
     code = {"model": {"fn": "m:f"}, "data": {"fn": "d:f"}, "train": {"train_step": "s:f"}}

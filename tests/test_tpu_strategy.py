@@ -377,7 +377,8 @@ def test_a_config_trains_on_the_tpu_strategy(chips):
     """Issue 51: the README lists TPUStrategy first, and `strategy.name=tpu` was refused.
     A config trains on it (the 8 CPU devices as the slice's chips) through run_config,
     and the config's layout fields reach it."""
-    from distrain._src.train.run import build_strategy, run_config
+    from distrain._src.train.run import run_config
+    from distrain._src.train.strategy_from_config import build_strategy
 
     cfg = dt.config.load_config(
         QUICKSTART, ["strategy.name=tpu", "train.epochs=null", "train.steps=3"]
@@ -394,7 +395,7 @@ def test_a_config_trains_on_the_tpu_strategy(chips):
 
 
 def test_the_tpu_strategy_in_a_config_without_tpus_is_one_config_error(devices):
-    from distrain._src.train.run import build_strategy
+    from distrain._src.train.strategy_from_config import build_strategy
 
     cfg = dt.config.load_config(QUICKSTART, ["strategy.name=tpu"])
     with pytest.raises(

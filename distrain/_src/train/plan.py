@@ -113,7 +113,8 @@ def _abstract_batch(cfg: Any) -> Any:
     import numpy as np
 
     from distrain._src.train.config_errors import ConfigError
-    from distrain._src.train.run import _load_data, resolve_callable
+    from distrain._src.train.data_from_config import load_data as _load_data
+    from distrain._src.train.import_paths import resolve_callable
 
     rows = cfg.data.global_batch_size
     if cfg.data.abstract is not None:
@@ -149,11 +150,12 @@ def abstract_state(cfg: Any) -> SimpleNamespace:
     """
     import jax
 
+    from distrain._src.train.import_paths import resolve_callable
     from distrain._src.train.model_fn import check_call as _check_call
     from distrain._src.train.model_fn import split_model as _split_model
     from distrain._src.train.optimizer import build_optimizer
     from distrain._src.train.pretrained import abstract_model, new_state
-    from distrain._src.train.run import build_strategy, resolve_callable
+    from distrain._src.train.strategy_from_config import build_strategy
 
     strategy = build_strategy(cfg.strategy)
     found: dict[str, Any] = {}
@@ -182,8 +184,8 @@ def plan_config(cfg: Any, device_memory: int | None = None) -> dict[str, Any]:
     import jax
 
     from distrain._src.train.accumulation import accumulate_gradients
+    from distrain._src.train.import_paths import resolve_callable
     from distrain._src.train.plan_advice import batch_split, problems_and_advice
-    from distrain._src.train.run import resolve_callable
 
     start = time.perf_counter()
     built = abstract_state(cfg)

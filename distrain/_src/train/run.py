@@ -33,15 +33,12 @@ from distrain._src.goodput.ledger import milestone
 from distrain._src.train.config import RunConfig, config_to_dict
 from distrain._src.train.config_errors import ConfigError
 from distrain._src.train.data_from_config import load_data, pipelines
-
-# imported by train/plan.py
-from distrain._src.train.data_from_config import load_data as _load_data  # noqa: F401
 from distrain._src.train.import_paths import resolve_callable
 from distrain._src.train.model_fn import check_call as _check_call
 from distrain._src.train.model_fn import split_model as _split_model
 from distrain._src.train.strategy_from_config import build_strategy
 
-__all__ = ["RunInterrupted", "RunResult", "build_strategy", "resolve_callable", "run_config"]
+__all__ = ["RunInterrupted", "RunResult", "run_config"]
 
 
 @dataclasses.dataclass
