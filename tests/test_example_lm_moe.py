@@ -208,3 +208,23 @@ def test_active_parameters_count_top_k_of_the_experts():
 def test_config_errors(change, message):
     with pytest.raises(ValueError, match=message):
         dataclasses.replace(MOE, **change)
+
+
+def test_update_expert_bias_refuses_a_load_for_other_blocks():
+    """The aux of another model (a load for 3 blocks, parameters for 2) is refused in one
+    line; an aux without a load (moe_balance="loss", a dense model) leaves the state."""
+    import types
+
+    from distrain.models import update_expert_bias
+
+    bias = np.zeros(4, np.float32)
+    params = {"blocks": {str(i): {"mlp": {"selection_bias": bias}} for i in range(2)}}
+    state = types.SimpleNamespace(params=params, replace=lambda **kw: kw)
+    aux = {
+        "expert_load_by_block": np.ones((3, 4), np.float32),
+        "selection_bias_by_block": np.zeros((3, 4), np.float32),
+        "moe_bias_rate": 1e-3,
+    }
+    with pytest.raises(ValueError, match=r"load is for 3 blocks but params\['blocks'\] has 2"):
+        update_expert_bias(state, aux)
+    assert update_expert_bias(state, {}) is state
