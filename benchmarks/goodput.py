@@ -217,7 +217,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=400, help="train.steps")
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--kill-every", type=float, default=120.0, help="seconds between SIGKILLs")
-    p.add_argument("--max-kills", type=int, default=4)
+    p.add_argument(
+        "--max-kills",
+        type=int,
+        default=20,
+        help="at most this many kills (20: one every --kill-every s to the end of 1500 steps)",
+    )
     p.add_argument("--local-freq", type=int, default=10, help="local arm: local backup every N")
     p.add_argument("--persistent-freq", type=int, default=500, help="local arm: persistent every N")
     p.add_argument("--backup-freq", type=int, default=50, help="persistent arm: backup every N")
