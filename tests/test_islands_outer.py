@@ -16,7 +16,16 @@ import numpy as np
 import optax
 import pytest
 
-from distrain._src.islands import codecs, healing, joining, outer, rows, schedule
+from distrain._src.islands import (
+    codecs,
+    delayed_nesterov,
+    healing,
+    joining,
+    outer,
+    outer_step,
+    rows,
+    schedule,
+)
 from distrain._src.islands.outer import (
     DiLoCoState,
     after_inner_step,
@@ -662,7 +671,9 @@ def test_after_inner_step_is_usable_alone():
 
 
 @pytest.mark.parametrize(
-    "module", [codecs, schedule, outer, rows, healing, joining], ids=lambda m: m.__name__
+    "module",
+    [codecs, schedule, outer, outer_step, delayed_nesterov, rows, healing, joining],
+    ids=lambda m: m.__name__,
 )
 def test_docstring_examples_run(module):
     import distrain as dt

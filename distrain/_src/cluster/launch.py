@@ -254,11 +254,17 @@ class _Terminated(Exception):
     pass
 
 
-def run(args: argparse.Namespace) -> int:
-    """Runs `distrain launch` with parsed arguments (see `add_arguments`); returns the exit code."""
-    command = list(args.command)
-    if command and command[0] == "--":
-        command = command[1:]
+def _argument_error(args: argparse.Namespace, command: Sequence[str]) -> str | None:
+    """The first combination of arguments `distrain launch` refuses, as its error line;
+    None when they fit together (argparse has checked each alone).
+
+    Example:
+        >>> parser = argparse.ArgumentParser()
+        >>> add_arguments(parser)
+        >>> _argument_error(parser.parse_args(["--nproc", "2", "--", "python", "x.py"]),
+        ...                 ["python", "x.py"]) is None
+        True
+    """
     islands = args.islands is not None
     for bad, message in (
         (
@@ -296,14 +302,30 @@ def run(args: argparse.Namespace) -> int:
         ),
     ):
         if bad:
-            sys.stderr.write(f"distrain launch: error: {message}\n")
-            return 2
+            return message
     if args.gpus_per_proc is not None:
         try:
             visible_gpus(os.environ, args.nproc * args.gpus_per_proc)
         except ValueError as e:
-            sys.stderr.write(f"distrain launch: error: {e}\n")
-            return 2
+            return str(e)
+    return None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Runs `distrain launch` with parsed arguments (see `add_arguments`); returns the exit code.
+
+    The arguments are checked together (:func:`_argument_error`), the program found,
+    then either the islands start (:func:`_run_islands`) or one job's processes run under
+    the :class:`Supervisor` (:func:`_supervise`), with SIGTERM turned into an exception
+    that both stop on.
+    """
+    command = list(args.command)
+    if command and command[0] == "--":
+        command = command[1:]
+    message = _argument_error(args, command)
+    if message is not None:
+        sys.stderr.write(f"distrain launch: error: {message}\n")
+        return 2
     try:
         program = check_program(command[0])
     except CannotStart as e:
@@ -321,24 +343,37 @@ def run(args: argparse.Namespace) -> int:
             raise _Terminated(signum)
 
         previous = signal.signal(signal.SIGTERM, on_term)
-    if islands:
-        from distrain._src.islands.launch_islands import run_islands
+    try:
+        if args.islands is not None:
+            return _run_islands(args, [program, *command[1:]])
+        return _supervise(args, launcher)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
-        try:
-            return run_islands(args, [program, *command[1:]])
-        except (FileNotFoundError, RuntimeError) as e:  # no Ray; its head did not start
-            sys.stderr.write(f"distrain launch: error: {e}\n")
-            return 2
-        except (KeyboardInterrupt, _Terminated):
-            # run_islands killed every island's processes and stopped the Ray head.
-            sys.stderr.write(
-                "[launch] interrupted; all islands stopped. Run the same command to continue "
-                "from the islands' last round (their coordinator saves each one)\n"
-            )
-            return 130
-        finally:
-            if previous is not None:
-                signal.signal(signal.SIGTERM, previous)
+
+def _run_islands(args: argparse.Namespace, command: list[str]) -> int:
+    """`--islands N`: N fault-isolated jobs and their coordinator (``launch_islands``)."""
+    from distrain._src.islands.launch_islands import run_islands
+
+    try:
+        return run_islands(args, command)
+    except (FileNotFoundError, RuntimeError) as e:  # no Ray; its head did not start
+        sys.stderr.write(f"distrain launch: error: {e}\n")
+        return 2
+    except (KeyboardInterrupt, _Terminated):
+        # run_islands killed every island's processes and stopped the Ray head.
+        sys.stderr.write(
+            "[launch] interrupted; all islands stopped. Run the same command to continue "
+            "from the islands' last round (their coordinator saves each one)\n"
+        )
+        return 130
+
+
+def _supervise(args: argparse.Namespace, launcher: Supervisor) -> int:
+    """One job's processes under ``launcher`` (and the evaluator beside them, if asked):
+    the exit status of the last attempt, 143 when stopped after every process saved,
+    else 130 when stopped."""
     evaluator = _start_evaluator(args, launcher) if args.evaluator else None
     try:
         code = launcher.run()
@@ -366,8 +401,6 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if evaluator is not None:
             evaluator.stop()  # returns at once when it has ended
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
 
 
 def _start_evaluator(args: argparse.Namespace, launcher: Supervisor) -> Any:

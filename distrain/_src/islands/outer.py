@@ -1,4 +1,8 @@
-"""DiLoCo's outer step as pure jax/optax functions over an immutable state.
+"""DiLoCo's round: when each fragment's outer step runs, over an immutable state.
+
+The outer step itself (pseudo-gradient, outer optimizer step, merge) is
+``outer_step.py``; this module counts the inner steps and runs it, or puts a fragment's
+pseudo-gradient in flight, at the positions ``schedule.py`` gives.
 
 Framework-free: nothing here reads a mesh or a strategy. The islands' parameters carry
 a leading island axis; on one device that is an ordinary array axis (the reference
@@ -37,22 +41,30 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, Any, NamedTuple, Self
+from typing import TYPE_CHECKING, Any, Self
 
 import jax
 import jax.numpy as jnp
 import optax
 from flax import struct
 
-from distrain._src.islands.codecs import OuterDType, decode, encode
+# island.py and the public `distrain.experimental.islands` import delayed_nesterov from
+# here (its home is delayed_nesterov.py); the coordinator's modules import outer_update.
+from distrain._src.islands.delayed_nesterov import delayed_nesterov as delayed_nesterov
+from distrain._src.islands.outer_step import (
+    Gather,
+    Mean,
+    Params,
+    accum_dtype,
+    merge,
+    outer_update,
+    pseudo_gradient,
+)
 from distrain._src.islands.schedule import DiLoCoConfig, fragment_ids, leaf_paths
 from distrain._src.pytree import PyTree
 
-Params = Any
 ParamsOf = Callable[[Any], Params]
 WithParams = Callable[[Any, Params], Any]
-Gather = Callable[[PyTree], PyTree]
-Mean = Callable[[PyTree], PyTree]
 
 
 @struct.dataclass
@@ -93,110 +105,6 @@ def params_attr(inner: Any) -> Params:
 def replace_params(inner: Any, params: Params) -> Any:
     """The default ``with_params``: ``inner.replace(params=params)``."""
     return inner.replace(params=params)
-
-
-def _accum_dtype(dtype: Any) -> Any:
-    return jnp.promote_types(dtype, jnp.float32)
-
-
-def pseudo_gradient(
-    global_params: Params,
-    island_params: Params,
-    *,
-    outer_dtype: OuterDType = "float32",
-    gather: Gather | None = None,
-    mean: Mean | None = None,
-) -> Params:
-    """The mean over islands of ``global - island``, in float32 (the outer gradient).
-
-    Args:
-      global_params: the global parameters.
-      island_params: the islands' parameters, the same structure with a leading island
-        axis on every leaf.
-      outer_dtype: the codec of what each island sends (``codecs.py``): with
-        ``"float32"`` the islands' differences are averaged directly (an all-reduce);
-        otherwise each island encodes its own difference per tensor, the encodings
-        (island axis leading) pass through ``gather``, and each is decoded and the
-        decoded values averaged in float32.
-      gather: applied to the pytree of encodings (:class:`codecs.Encoded` leaves with
-        the island axis) before decoding; identity by default. A strategy passes the
-        all-gather over its island axis (e.g. a sharding constraint to replicated).
-      mean: with ``"float32"``, the mean over the island axis of the stacked
-        differences (a pytree; default ``jnp.mean(x, 0)`` per leaf); a strategy whose
-        replicas hold one island each passes an all-reduce over its island axis.
-
-    Returns:
-      The pseudo-gradient, ``global_params``' structure, float32 leaves (wider if the
-      parameters are).
-
-    Example:
-      >>> pseudo_gradient({"w": jnp.array(1.0)}, {"w": jnp.array([-5.0, -3.0])})
-      {'w': Array(5., dtype=float32)}
-    """
-
-    def delta(g: jax.Array, local: jax.Array) -> jax.Array:
-        dtype = _accum_dtype(g.dtype)
-        return g.astype(dtype)[None] - local.astype(dtype)
-
-    deltas = jax.tree.map(delta, global_params, island_params)
-    if outer_dtype == "float32":
-        if mean is not None:
-            return mean(deltas)
-        return jax.tree.map(lambda x: jnp.mean(x, axis=0), deltas)
-    leaves, treedef = jax.tree.flatten(deltas)
-    encoded = [jax.vmap(partial(encode, outer_dtype=outer_dtype))(x) for x in leaves]
-    if gather is not None:
-        encoded = gather(encoded)
-    means = [
-        jnp.mean(jax.vmap(partial(decode, outer_dtype=outer_dtype, shape=x.shape[1:]))(e), 0)
-        for x, e in zip(leaves, encoded, strict=True)
-    ]
-    return jax.tree.unflatten(treedef, means)
-
-
-def outer_update(
-    optimizer: optax.GradientTransformation,
-    global_params: Params,
-    opt_state: optax.OptState,
-    pseudo_grad: Params,
-) -> tuple[Params, optax.OptState]:
-    """One step of ``optimizer`` on the global parameters, the pseudo-gradient as gradient.
-
-    The pseudo-gradient is cast to each parameter's dtype first (an optimizer sees
-    gradients of its parameters' dtype; keep the global parameters in float32).
-
-    Example:
-      >>> sgd = optax.sgd(2.0)
-      >>> w = jnp.array(1.0)
-      >>> outer_update(sgd, w, sgd.init(w), jnp.array(6.0))[0]    # 1 - 2 * 6
-      Array(-11., dtype=float32)
-    """
-    grads = jax.tree.map(lambda g, p: g.astype(p.dtype), pseudo_grad, global_params)
-    updates, opt_state = optimizer.update(grads, opt_state, global_params)
-    return optax.apply_updates(global_params, updates), opt_state
-
-
-def merge(global_params: Params, island_params: Params, alpha: float) -> Params:
-    """The islands after a sync: ``alpha * island + (1 - alpha) * global``, per island.
-
-    ``alpha = 0`` gives every island the global parameters bit for bit (cast to its
-    dtype); ``alpha = 1`` leaves the islands as they are.
-
-    Example:
-      >>> merge({"w": jnp.array(-11.0)}, {"w": jnp.array([-5.0, -5.0])}, 0.5)
-      {'w': Array([-8., -8.], dtype=float32)}
-    """
-
-    def leaf(g: jax.Array, local: jax.Array) -> jax.Array:
-        if alpha == 0.0:
-            return jnp.broadcast_to(g.astype(local.dtype)[None], local.shape)
-        if alpha == 1.0:
-            return local
-        dtype = _accum_dtype(g.dtype)
-        mixed = alpha * local.astype(dtype) + (1.0 - alpha) * g.astype(dtype)[None]
-        return mixed.astype(local.dtype)
-
-    return jax.tree.map(leaf, global_params, island_params)
 
 
 def _masked(treedef: Any, leaves: Sequence[Any], ids: Sequence[int], f: int) -> PyTree:
@@ -272,7 +180,7 @@ def init(
     )
     in_flight = None
     if config.fragment_sync_delay:
-        in_flight = jax.tree.map(lambda x: jnp.zeros(x.shape, _accum_dtype(x.dtype)), global_params)
+        in_flight = jax.tree.map(lambda x: jnp.zeros(x.shape, accum_dtype(x.dtype)), global_params)
     return DiLoCoState(
         params=global_params,
         outer_opt_state=opt_states,
@@ -470,58 +378,3 @@ def diloco_step(
         config, state, params_of=params_of, with_params=with_params, gather=gather
     )
     return state, aux
-
-
-class DelayedNesterovState(NamedTuple):
-    """:func:`delayed_nesterov`'s state: arrivals counted, the momentum, the buffer."""
-
-    arrivals: jax.Array
-    momentum: Any
-    buffer: Any
-
-
-def delayed_nesterov(
-    learning_rate: float, momentum: float = 0.9, delay: int = 1
-) -> optax.GradientTransformation:
-    """Delayed Nesterov (Liu et al. 2024, "Asynchronous Local-SGD Training for Language
-    Modeling"): the outer optimizer of asynchronous islands.
-
-    Each pseudo-gradient ``g`` is applied as it arrives, ``-lr * g / delay``; the
-    momentum moves only every ``delay``-th arrival, with the mean of the last ``delay``
-    pseudo-gradients, and its Nesterov term ``-lr * momentum * m`` is applied then. Over
-    ``delay`` arrivals that is one Nesterov SGD step on their mean, so with ``delay=1``
-    it equals ``optax.sgd(lr, momentum, nesterov=True)``; with ``delay`` = the number of
-    islands, one momentum step per "round" of arrivals, however stale.
-
-    Example:
-      >>> tx = delayed_nesterov(0.7, 0.9, delay=4)
-    """
-    if delay < 1:
-        raise ValueError(f"delayed_nesterov needs delay >= 1. Received: delay={delay!r}.")
-
-    def init(params: Any) -> DelayedNesterovState:
-        zeros = jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params)
-        return DelayedNesterovState(jnp.zeros((), jnp.int32), zeros, zeros)
-
-    def update(
-        grads: Any, state: DelayedNesterovState, params: Any = None
-    ) -> tuple[Any, DelayedNesterovState]:
-        del params
-        arrivals = state.arrivals + 1
-        boundary = arrivals % delay == 0
-        buffer = jax.tree.map(lambda b, g: b + g.astype(jnp.float32), state.buffer, grads)
-        mom = jax.tree.map(
-            lambda m, b: jnp.where(boundary, momentum * m + b / delay, m), state.momentum, buffer
-        )
-        updates = jax.tree.map(
-            lambda g, m: (
-                -learning_rate * g.astype(jnp.float32) / delay
-                - jnp.where(boundary, learning_rate * momentum * m, 0.0)
-            ).astype(g.dtype),
-            grads,
-            mom,
-        )
-        buffer = jax.tree.map(lambda b: jnp.where(boundary, jnp.zeros_like(b), b), buffer)
-        return updates, DelayedNesterovState(arrivals, mom, buffer)
-
-    return optax.GradientTransformation(init, update)

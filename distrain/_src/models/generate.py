@@ -45,7 +45,8 @@ from distrain._src.models import kv_cache
 from distrain._src.models.hub import Pretrained
 from distrain._src.models.llama import Llama, _DecoderConfig
 from distrain._src.models.mixtral import Mixtral, MixtralConfig
-from distrain._src.models.transformer import LMConfig, Transformer
+from distrain._src.models.transformer import Transformer
+from distrain._src.models.transformer_config import LMConfig
 
 __all__ = ["Generation", "generate"]
 

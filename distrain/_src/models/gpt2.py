@@ -22,7 +22,8 @@ from typing import Any, final
 from flax import nnx
 
 from distrain._src.models.family import Family, Tensor, check_keys, refuse, register
-from distrain._src.models.transformer import LMConfig, Transformer
+from distrain._src.models.transformer import Transformer
+from distrain._src.models.transformer_config import LMConfig
 
 _PREFIX = "transformer."
 # Read and checked (or implemented) by config_from_hf.

@@ -43,7 +43,8 @@ from flax import nnx
 
 from distrain._src.models import kv_cache
 from distrain._src.models.family import family_of
-from distrain._src.models.transformer import apply_rope, constrain_hidden
+from distrain._src.models.transformer import apply_rope
+from distrain._src.models.transformer_layout import constrain_hidden
 from distrain._src.nn.attention import dot_product_attention
 from distrain._src.strategy.rules import OrderedAxisRules
 

@@ -51,7 +51,7 @@ from distrain._src.models import mixtral as _mixtral  # noqa: F401
 from distrain._src.models.hub import Pretrained
 from distrain._src.models.hub import from_pretrained as _read_pretrained
 from distrain._src.models.lm_eval_batches import Batches
-from distrain._src.models.transformer import LMConfig
+from distrain._src.models.transformer_config import LMConfig
 
 __all__ = ["LMEvalModel"]
 

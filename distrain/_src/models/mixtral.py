@@ -43,7 +43,7 @@ from flax import nnx
 from distrain._src.models import llama, llama_family
 from distrain._src.models.family import Family, Tensor, refuse, register
 from distrain._src.models.llama import Attention, Context, RMSNorm, _DecoderConfig
-from distrain._src.models.transformer import constrain_hidden
+from distrain._src.models.transformer_layout import constrain_hidden
 from distrain._src.nn.moe import moe
 
 __all__ = ["MIXTRAL", "Mixtral", "MixtralConfig", "MixtralFamily", "aux_loss"]

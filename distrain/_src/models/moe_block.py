@@ -36,7 +36,7 @@ from distrain._src.nn.moe import moe
 from distrain._src.nn.moe_routing import update_selection_bias
 
 if TYPE_CHECKING:
-    from distrain._src.models.transformer import LMConfig
+    from distrain._src.models.transformer_config import LMConfig
 
 __all__ = ["MoE", "check_moe_config", "moe_aux", "update_expert_bias"]
 

@@ -24,6 +24,10 @@ step adds.
 the layers on a replica without a ``"stage"`` axis, GPipe over its stages with one (lay
 the stacked blocks out with :func:`pipeline_layout`). Embedding and head stay outside.
 
+The configuration (:class:`LMConfig`, its checks and :data:`REMAT_POLICIES`) is
+``transformer_config.py``; the layout rules and :func:`constrain_hidden` are
+``transformer_layout.py``.
+
 Parameters are float32; ``dtype="bfloat16"`` runs the matmuls and attention in bf16
 (mixed precision) and computes the logits and the loss in float32.
 
@@ -41,16 +45,25 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from collections.abc import Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import PartitionSpec as P
 
 from distrain._src.models import kv_cache
-from distrain._src.models.moe_block import MoE, check_moe_config, moe_aux
+from distrain._src.models.moe_block import MoE, moe_aux
+from distrain._src.models.transformer_config import DTYPES, REMAT_POLICIES, LMConfig
+
+# Re-exported for `distrain.models` (its public names): their homes are
+# transformer_config.py and transformer_layout.py.
+from distrain._src.models.transformer_layout import EXPERT_LAYOUT as EXPERT_LAYOUT
+from distrain._src.models.transformer_layout import (
+    TENSOR_PARALLEL_LAYOUT as TENSOR_PARALLEL_LAYOUT,
+)
+from distrain._src.models.transformer_layout import constrain_hidden
+from distrain._src.models.transformer_layout import pipeline_layout as pipeline_layout
 from distrain._src.nn.attention import dot_product_attention
 from distrain._src.nn.pipeline_stages import pipeline
 
@@ -61,187 +74,14 @@ __all__ = [
     "LMConfig",
     "constrain_hidden",
     "Transformer",
+    "apply_rope",
     "count_params",
     "flops_per_token",
     "make_apply_fn",
     "pipeline_layout",
+    "rope_tables",
     "transformer",
 ]
-
-_DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
-# What a block keeps for its backward pass (jax.checkpoint_policies): "none" keeps
-# everything (no remat); "offload_dots" keeps matmul outputs in host memory.
-REMAT_POLICIES: dict[str, Callable[[], Any] | None] = {
-    "none": None,
-    "dots_saveable": lambda: jax.checkpoint_policies.dots_saveable,
-    "nothing_saveable": lambda: jax.checkpoint_policies.nothing_saveable,
-    "offload_dots": lambda: jax.checkpoint_policies.offload_dot_with_no_batch_dims(
-        "device", "pinned_host"
-    ),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class LMConfig:
-    """The model's shapes.
-
-    Attributes:
-      vocab_size: number of token ids (256 for bytes; 50304 for GPT-2's shapes).
-      seq_len: tokens per sequence (the attention span).
-      d_model: width of the residual stream.
-      n_layers: transformer blocks.
-      n_heads: attention heads (``d_model`` must divide by it).
-      d_ff: hidden width of the MLP (default ``4 * d_model``).
-      positions: ``"rope"`` (rotary, no parameters) or ``"learned"`` (GPT-2's table).
-      dtype: compute dtype, ``"float32"`` or ``"bfloat16"`` (parameters stay float32).
-      norm_eps: the LayerNorms' epsilon (flax's default 1e-6; GPT-2's checkpoints 1e-5).
-      remat: a key of :data:`REMAT_POLICIES`: what each block saves for the backward pass.
-      attention: ``dt.nn.dot_product_attention``'s implementation over a split sequence,
-        ``"ring"`` or ``"all_gather"`` (``None``: ring); no effect on a whole sequence.
-      pipeline_microbatches: ``None``: the blocks are a list; an int ``M``: they are
-        stacked and run by ``dt.nn.pipeline`` with ``M`` microbatches.
-      pipeline_repeats: ``dt.nn.pipeline``'s ``repeats`` (the circular schedule).
-      scan_layers: stack the blocks and run them by one ``jax.lax.scan``: the program
-        holds one block, and under ``remat`` its backward pass keeps only each block's
-        input whatever the compiler's schedule (unrolled, XLA:CPU keeps every block's
-        recomputed temporaries alive: no saving). Layout rules see a leading layer
-        dimension (``blocks/...``).
-      moe_experts: ``None``: dense MLPs; an int ``E``: mixture-of-experts MLPs of ``E``
-        experts of width ``d_ff`` (``dt.nn.moe``).
-      moe_top_k: experts per token.
-      moe_capacity_factor: ``None``: dropless; a number: ``dt.nn.moe``'s capacity factor.
-      moe_capacity_group: ``dt.nn.moe``'s ``capacity_group``: ``"call"`` (the replica's
-        tokens) or ``"device"`` (each device's: bounded exchange buffers).
-      moe_shared_expert: add a dense expert of width ``d_ff`` every token goes through.
-      moe_balance_weight, moe_z_weight: the weights of the load-balancing loss and the
-        router z-loss in ``moe_loss`` (Switch Transformer's 0.01; ST-MoE's 0.001).
-      moe_balance: ``"loss"`` (the load-balancing loss) or ``"bias"`` (DeepSeek-V3: a
-        per-block selection bias, moved by ``moe_bias_rate`` after each step by
-        ``update_expert_bias``; no load-balancing loss). See ``moe_block.py``.
-    """
-
-    vocab_size: int = 256
-    seq_len: int = 128
-    d_model: int = 128
-    n_layers: int = 4
-    n_heads: int = 4
-    d_ff: int | None = None
-    positions: Literal["rope", "learned"] = "rope"
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    norm_eps: float = 1e-6
-    remat: str = "none"
-    attention: Literal["ring", "all_gather"] | None = None
-    pipeline_microbatches: int | None = None
-    pipeline_repeats: int = 1
-    moe_experts: int | None = None
-    moe_top_k: int = 2
-    moe_capacity_factor: float | None = None
-    moe_capacity_group: Literal["call", "device"] = "call"
-    moe_shared_expert: bool = False
-    moe_balance_weight: float = 0.01
-    moe_z_weight: float = 0.001
-    moe_balance: Literal["loss", "bias"] = "loss"
-    moe_bias_rate: float = 1e-3
-    scan_layers: bool = False
-
-    def __post_init__(self) -> None:
-        names = ["vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "pipeline_repeats"]
-        if self.pipeline_microbatches is not None:
-            names.append("pipeline_microbatches")
-        for name in names:
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise ValueError(f"LMConfig.{name} must be a positive int. Received: {v!r}.")
-        if self.d_model % self.n_heads:
-            raise ValueError(
-                f"LMConfig.d_model ({self.d_model}) must be a multiple of n_heads "
-                f"({self.n_heads}); choose n_heads among its divisors."
-            )
-        if self.positions == "rope" and self.head_dim % 2:
-            raise ValueError(
-                f"Rotary positions need an even head size; d_model / n_heads = {self.head_dim}. "
-                "Change d_model or n_heads, or use positions='learned'."
-            )
-        if self.positions not in ("rope", "learned"):
-            raise ValueError(
-                f"LMConfig.positions must be 'rope' or 'learned'. Received: {self.positions!r}."
-            )
-        if isinstance(self.norm_eps, bool) or not (
-            isinstance(self.norm_eps, int | float) and self.norm_eps > 0
-        ):
-            raise ValueError(
-                f"LMConfig.norm_eps must be a number > 0. Received: {self.norm_eps!r}."
-            )
-        if self.remat not in REMAT_POLICIES:
-            raise ValueError(
-                f"LMConfig.remat must be one of {list(REMAT_POLICIES)}. Received: {self.remat!r}."
-            )
-        if self.dtype not in _DTYPES:
-            raise ValueError(
-                f"LMConfig.dtype must be one of {sorted(_DTYPES)}. Received: {self.dtype!r}."
-            )
-        if self.moe_experts is not None:
-            check_moe_config(self)
-
-    @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
-
-    @property
-    def ff(self) -> int:
-        return self.d_ff if self.d_ff is not None else 4 * self.d_model
-
-
-def constrain_hidden(x: jax.Array) -> jax.Array:
-    """Hidden states ``[B, T, D]`` laid out as Megatron does when the step runs on a
-    replica mesh with an ``"fsdp"`` axis: rows split over it (and over ``"expert"``, a
-    data axis for all but the experts, when the rows divide), whole over ``"tensor"``
-    (every tensor-parallel device needs the whole hidden state of its rows), the
-    sequence split over ``"context"`` if the replica has it. A no-op elsewhere (one
-    device, data parallelism, plain ``jax.jit``)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    if mesh.empty or "fsdp" not in mesh.axis_names or x.shape[0] % mesh.shape["fsdp"]:
-        return x
-    rows = tuple(a for a in mesh.axis_names if a in ("fsdp", "expert"))  # the batch's order
-    if x.shape[0] % math.prod(mesh.shape[a] for a in rows):
-        rows = ("fsdp",)
-    seq = "context" if "context" in mesh.axis_names else None
-    return jax.lax.with_sharding_constraint(x, P(rows, seq, None))
-
-
-# Megatron-style tensor parallelism for a replica mesh {"fsdp": F, "tensor": T}: the
-# first matmul of each pair split by columns over "tensor", the second by rows, so the
-# activations between them stay split and one all-reduce per pair joins them; every
-# kernel's other dimension, and the token table, split over "fsdp" (FSDP).
-TENSOR_PARALLEL_LAYOUT = {
-    "attn/qkv/kernel": P("fsdp", "tensor"),
-    "attn/qkv/bias": P("tensor"),
-    "attn/out/kernel": P("tensor", "fsdp"),
-    "mlp/fc/kernel": P("fsdp", "tensor"),
-    "mlp/fc/bias": P("tensor"),
-    "mlp/proj/kernel": P("tensor", "fsdp"),
-    "embed/embedding": P("tensor", "fsdp"),
-}
-
-
-# The experts of a mixture-of-experts model split over the replica's "expert" axis
-# (each device holds moe_experts / X of them); the router and everything else as usual.
-EXPERT_LAYOUT = {"mlp/w_in|mlp/w_out": P("expert")}
-
-
-def pipeline_layout(devices_per_replica: Mapping[str, int]) -> list[tuple[str, P]]:
-    """Layout rules for the stacked blocks of a pipelined model (``pipeline_microbatches``)
-    on a replica mesh with a ``"stage"`` axis: the layer dimension split over
-    ``"stage"`` (each stage holds its own layers) and, where the mesh has ``"fsdp"``,
-    each kernel's input dimension over it inside the stage; everything else (embedding,
-    final norm) FSDP by default.
-
-    Example:
-      >>> dt.MirroredStrategy(devices_per_replica={"stage": 2, "fsdp": 2},
-      ...                     layout=pipeline_layout({"stage": 2, "fsdp": 2}))
-    """
-    kernel = P("stage", "fsdp") if "fsdp" in devices_per_replica else P("stage")
-    return [("blocks/.*/kernel", kernel), ("blocks/", P("stage"))]
 
 
 def rope_tables(positions: jax.Array, head_dim: int) -> tuple[jax.Array, jax.Array]:
@@ -273,7 +113,7 @@ class Attention(nnx.Module):
     """Causal multi-head self-attention with one fused QKV projection."""
 
     def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs) -> None:
-        dt = _DTYPES[cfg.dtype]
+        dt = DTYPES[cfg.dtype]
         init = nnx.initializers.normal(0.02)
         # GPT-2: residual projections scaled by 1/sqrt(2 * n_layers) at init.
         out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layers))
@@ -309,7 +149,7 @@ class MLP(nnx.Module):
     """``Linear(d, ff) -> GELU -> Linear(ff, d)``."""
 
     def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs) -> None:
-        dt = _DTYPES[cfg.dtype]
+        dt = DTYPES[cfg.dtype]
         out_init = nnx.initializers.normal(0.02 / math.sqrt(2 * cfg.n_layers))
         self.fc = nnx.Linear(
             cfg.d_model, cfg.ff, kernel_init=nnx.initializers.normal(0.02), dtype=dt, rngs=rngs
@@ -325,7 +165,7 @@ class Block(nnx.Module):
     statistics."""
 
     def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs) -> None:
-        dt = _DTYPES[cfg.dtype]
+        dt = DTYPES[cfg.dtype]
         self.norm1 = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, rngs=rngs)
         self.attn = Attention(cfg, rngs=rngs)
         self.norm2 = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=dt, rngs=rngs)
@@ -348,7 +188,7 @@ class Transformer(nnx.Module):
     optional ``segment_ids`` / ``positions`` ``[B, T]`` for packed or reordered rows."""
 
     def __init__(self, cfg: LMConfig, *, rngs: nnx.Rngs) -> None:
-        dt = _DTYPES[cfg.dtype]
+        dt = DTYPES[cfg.dtype]
         self.cfg = cfg
         self.embed = nnx.Embed(
             cfg.vocab_size,
