@@ -1,10 +1,14 @@
 """`IslandCoordinator`: the global state of fault-isolated islands and their rounds.
 
 Each island is its own JAX world (its own processes); the coordinator holds what they
-share: the global parameters, the outer optimizer state, the round and the row ledger
-(``rows.py``), and it checkpoints them together after every applied round. It runs as
-a threaded Ray actor (``remote.py``); the class itself is plain Python and NumPy
-plus one jitted optax update on the CPU, so it also runs in-process.
+share but the tensors: the membership, the round, the row ledger (``rows.py``), leases,
+deadlines and the healing relay, and it checkpoints them after every applied round. The
+global parameters and the outer optimizer state live in ``S`` shard holders
+(``param_shards.py``; ``IslandsConfig.exchange_shards``, by default one per island):
+each island sends shard ``k`` of its pseudo-gradient to holder ``k`` and reads the
+round's parameters back from the holders, so no process receives more than its share.
+It runs as a threaded Ray actor beside the holders' actors (``remote.py``); the class
+itself is plain Python, so it also runs in-process with in-process holders.
 
 A round ``r`` (synchronous mode):
 
@@ -13,14 +17,14 @@ A round ``r`` (synchronous mode):
    soon as the previous one is applied;
 2. each trains ``sync_every`` inner steps on them and submits its pseudo-gradient, the
    global parameters minus its own (:meth:`submit`);
-3. when every island of ``r`` still alive submitted, the mean pseudo-gradient weighted
-   by rows goes through the outer optimizer, the leases are committed, the state and
-   the ledger are saved in one checkpoint step, and only then the islands see the new
-   parameters (:meth:`wait_round`). The update and the save run outside the lock, so
+3. when every island of ``r`` still alive submitted, every shard holder applies the
+   round (the mean pseudo-gradient weighted by rows through the outer optimizer, on its
+   shard) and saves its shard of round ``r + 1``; then the coordinator saves the ledger
+   with the leases committed, the commit point; only then the holders serve the new
+   parameters (:meth:`wait_round`). The update and the saves run outside the lock, so
    heartbeats go on during a long save; the calls that would change the round
-   (``join``, ``submit``) wait for it. The new state is installed in memory only once
-   it is on disk: a save that fails applies nothing and stops the run with the reason
-   in one line (:class:`IslandsFailed`).
+   (``join``, ``submit``) wait for it. A shard or a checkpoint that cannot be saved
+   applies nothing and stops the run with the reason in one line (:class:`IslandsFailed`).
 
 An island that sends no heartbeat for ``death_timeout`` seconds (or whose restart joins)
 is dead: its unsubmitted lease goes back to the queue and its round closes without it.
@@ -38,13 +42,14 @@ to ``min_islands_timeout``, then every call raises. Every call names the island'
 coordinator, an island declared dead) raises `RejoinRequired`, and the island joins
 again from the global state.
 
-*Committed* means saved: a restarted coordinator resumes from its latest checkpoint,
+*Committed* means saved: a restarted coordinator resumes from its latest checkpoint (and
+makes every holder serve its shard of that round, deleting newer ones never committed),
 and rows of rounds after it are trained again with the parameters they belong to. The
 rows each applied round committed are kept in ``rows/round-R.npy``, so "every row of an
 epoch entered exactly one applied round" can be counted from disk. The files and the
-directory renames are fsynced; a newest checkpoint that cannot be read (torn by a
-power loss) is skipped with a warning, and the coordinator resumes from the one before
-(``store.py``).
+directory renames are fsynced; a newest checkpoint that cannot be read, or of which a
+holder cannot read its shard (torn by a power loss), is skipped with a warning, and the
+coordinator resumes from the one before (``store.py``).
 """
 
 from __future__ import annotations
@@ -52,7 +57,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
-import functools
 import json
 import os
 import threading
@@ -64,9 +68,12 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from distrain._src.islands import store
+from distrain._src.islands import param_shards, round_commit, store
 from distrain._src.islands.healing import Healing, Posted, StateRelay, check_same_optimizer
 from distrain._src.islands.islands_config import IslandsConfig as IslandsConfig  # re-exported
+from distrain._src.islands.islands_config import IslandsFailed as IslandsFailed  # re-exported
+from distrain._src.islands.islands_config import RejoinRequired as RejoinRequired  # re-exported
+from distrain._src.islands.islands_config import Round as Round  # re-exported
 from distrain._src.islands.islands_config import structure_of as structure_of  # re-exported
 from distrain._src.islands.rows import RowLedger
 from distrain._src.islands.store import committed_rows as committed_rows  # re-exported
@@ -79,46 +86,34 @@ ROUND_TIMEOUT_FLOOR = 60.0
 ROUND_TIMES_KEPT = 20
 
 
-class Round(NamedTuple):
-    """What :meth:`IslandCoordinator.wait_round` returns."""
-
-    round: int
-    params: list[np.ndarray]  # the global parameters the round starts from
-    finished: bool  # every row was committed: the parameters are the final ones
-    hang_s: float  # of the caller's previous round, the wait for islands found hung
-    donate: bool = False  # post your inner optimizer state for a joiner (`donate`)
-
-
 class _Submission(NamedTuple):
-    """One island's submission to the open round."""
+    """One island's submission to the open round (its pseudo-gradient is in the holders)."""
 
-    grads: list[np.ndarray] | None  # None with an empty lease
+    token: str
+    round: int  # the round it named (async: the version it trained from)
+    sent: bool  # it sent a pseudo-gradient (not with an empty lease)
     rows: int
     metrics: dict[str, float]
     time: float
 
 
-class RejoinRequired(RuntimeError):
-    """The coordinator does not know this island's token: join again."""
-
-
-class IslandsFailed(RuntimeError):
-    """The islands cannot go on (fewer than ``min_islands`` alive for too long)."""
-
-
 class IslandCoordinator:
-    """The global parameters, the outer optimizer, the rounds and the row ledger.
+    """The rounds, the row ledger and the islands' membership; the parameters' holders.
 
     Args:
       config: the run's :class:`IslandsConfig`.
-      params: the initial global parameters as a list of NumPy leaves.
+      params: the initial global parameters as a list of NumPy leaves (with ``holders``,
+        only their ``param_shards.LeafSpec``).
       treedef: ``str`` of their tree structure (checked against every joining island).
       outer_optimizer: an optax transformation (DiLoCo: Nesterov SGD, lr 0.7, 0.9).
       directory: where the checkpoints, the committed rows and ``events.jsonl`` go. If
         it holds a checkpoint of the same model, the coordinator resumes from it.
+      holders: the shard holders (``remote.RayHolders`` in a run); None: in-process
+        ones, made from ``params``.
 
     Raises:
-      ValueError: the directory holds a checkpoint of another model or configuration.
+      ValueError: the directory holds a checkpoint of another model or configuration, of
+        another number of shards, or of the star exchange (``store.OldFormat``).
 
     Example (one island's round, in-process; in a run the calls go through Ray)::
 
@@ -136,23 +131,20 @@ class IslandCoordinator:
         treedef: str,
         outer_optimizer: Any,
         directory: str,
+        holders: Any = None,
     ) -> None:
-        import jax
-        import jax.numpy as jnp
-
-        from distrain._src.islands.outer import outer_update
-
         self.config = config
         self.directory = os.path.abspath(directory)
         self.structure = structure_of(params, treedef)
+        specs = param_shards.specs_of(params)
+        if holders is None:  # in-process: the same holder class, as plain objects
+            holders = param_shards.LocalHolders.of(
+                self.directory, params, config.shards, outer_optimizer
+            )
+        self._exchange = param_shards.Exchange(specs, config.shards, holders)
         # A plain lock: _apply releases it around the save, which a re-entrant one
         # acquired twice would not.
         self._cond = threading.Condition(threading.Lock())
-        self._params = [np.asarray(p) for p in params]
-        opt_state = outer_optimizer.init([jnp.asarray(p) for p in self._params])
-        self._opt_leaves, self._opt_def = jax.tree.flatten(opt_state)
-        self._opt_leaves = [np.asarray(x) for x in self._opt_leaves]
-        self._update = jax.jit(functools.partial(outer_update, outer_optimizer))
         self.round = 0
         self.ledger = RowLedger(config.num_rows, config.epochs, config.seed)
         # island -> token of its live incarnation; members of the open round; the
@@ -304,7 +296,9 @@ class IslandCoordinator:
         pseudo_gradient: list[np.ndarray] | None,
         metrics: dict[str, float] | None = None,
     ) -> bool:
-        """``island``'s pseudo-gradient for ``round_`` (None with an empty lease).
+        """``island``'s pseudo-gradient for ``round_`` (None with an empty lease): its
+        shards go to the holders, then :meth:`submit_sent` (what the proxy of ``remote.py``
+        does in a run).
 
         Returns False when the asynchronous mode discarded it as too stale (its rows go
         back to the queue), else True.
@@ -315,6 +309,20 @@ class IslandCoordinator:
           ValueError: the pseudo-gradient's shapes are not the parameters'.
           IslandsFailed: the run failed (e.g. the round's checkpoint could not be saved).
         """
+        if pseudo_gradient is not None:
+            self._exchange.put(island, token, round_, pseudo_gradient)
+        return self.submit_sent(island, token, round_, pseudo_gradient is not None, metrics)
+
+    def submit_sent(
+        self,
+        island: int,
+        token: str,
+        round_: int,
+        sent: bool,
+        metrics: dict[str, float] | None = None,
+    ) -> bool:
+        """:meth:`submit` once ``island`` has put its pseudo-gradient's shards to the
+        holders (``sent``; False with an empty lease): its rows and metrics."""
         arrived = time.time()
         with self._cond:
             self._await_save()
@@ -326,23 +334,15 @@ class IslandCoordinator:
                     f"island {island} submitted for round {round_} without a lease of it (open "
                     f"round {self.round})."
                 )
-            if pseudo_gradient is not None:
-                shapes = [np.shape(g) for g in pseudo_gradient]
-                if shapes != [np.shape(p) for p in self._params]:
-                    raise ValueError(
-                        f"island {island}'s pseudo-gradient has shapes {shapes}; the global "
-                        f"parameters have {[np.shape(p) for p in self._params]}. Nothing was "
-                        "applied."
-                    )
             if island in self._leased_at:  # a lease of an earlier attempt has no time
                 self._round_times.append(arrived - self._leased_at.pop(island))
             self._heartbeats[island] = time.time()
             self._seasoned.add(island)  # its state is a trained one: it may heal a joiner
             if self.config.mode == "async":
-                return self._submit_async(island, pseudo_gradient, dict(metrics or {}))
+                return self._submit_async(island, token, round_, sent, dict(metrics or {}))
             rows = self.ledger.submitted(island)
             self._submissions[island] = _Submission(
-                pseudo_gradient, rows, dict(metrics or {}), arrived
+                token, round_, sent, rows, dict(metrics or {}), arrived
             )
             self._maybe_close()
             self._check_error()  # the save of the round this submission closed failed
@@ -375,7 +375,7 @@ class IslandCoordinator:
             hang_s = hang_s if hung_round == after else 0.0
             joiners = [j for j in self._relay.waiting if j in self._members - self._next]
             donate = island in self._seasoned and self._relay.ask(island, joiners)
-            return Round(self.round, list(self._params), self.ledger.exhausted, hang_s, donate)
+            return Round(self.round, self._round_params(), self.ledger.exhausted, hang_s, donate)
 
     def donate(self, island: int, token: str, round_: int, leaves: list[np.ndarray]) -> bool:
         """``island``'s inner optimizer state at the start of ``round_``, posted because
@@ -449,8 +449,14 @@ class IslandCoordinator:
             }
 
     def params(self) -> list[np.ndarray]:
+        """The committed round's parameters, gathered from the holders (tests, logs)."""
         with self._cond:
-            return list(self._params)
+            return self._exchange.params(self.round) or []
+
+    def _round_params(self) -> list[np.ndarray]:
+        """What :meth:`wait_round` returns as the round's parameters: in-process, the
+        holders'; the Ray actor returns none, the islands' proxies read the holders."""
+        return self._exchange.params(self.round) or []
 
     def stop(self) -> None:
         self._stop.set()
@@ -566,57 +572,47 @@ class IslandCoordinator:
         ):
             self._apply()
 
-    def _apply(self) -> None:
+    def _apply(self, weights: dict[int, float] | None = None) -> None:
         """Applies the submissions' mean pseudo-gradient, weighted by rows (an empty
-        lease weighs nothing), commits their rows and saves; the new state replaces the
-        old in memory only once it is saved. The update and the save run without the
-        lock (heartbeats go on), from a snapshot: the submissions, the parameters and
-        the ledger's state with their rows committed."""
-        import jax
-
+        lease weighs nothing; async: ``weights``), commits their rows and saves; the
+        holders serve the new parameters only once the coordinator's checkpoint, the
+        commit point, is saved. The update and the saves run without the lock
+        (heartbeats go on), from a snapshot: the submissions and the ledger's state with
+        their rows committed."""
         ready = time.time()  # every member submitted or was declared dead
         r, subs = self.round, dict(self._submissions)
         islands = sorted(subs)
         positions = self.ledger.pending_of(islands)
-        ledger_state = self.ledger.state_dict(committing=islands)
         island_steps = dict(self._island_steps)
         for i in islands:
             island_steps[i] = island_steps.get(i, 0) - (-subs[i].rows // self.config.batch_size)
         last_submit = max(s.time for s in subs.values())
         hang_s = max(0.0, self._hung_at - last_submit) if self._hung_at is not None else 0.0
-        params, opt_leaves = self._params, self._opt_leaves
-        failure = None
+        sent = [i for i in islands if subs[i].sent and subs[i].rows]
+        total = sum(subs[i].rows for i in sent)
+        weights = weights or {i: subs[i].rows / total for i in sent}
+        entries = [(i, subs[i].token, subs[i].round, weights[i]) for i in sent]
+        meta = {
+            "round": r + 1,
+            "structure": self.structure,
+            "config": dataclasses.asdict(self.config),
+            "shards": self.config.shards,
+            "ledger": self.ledger.state_dict(committing=islands),
+            "island_steps": {str(i): n for i, n in island_steps.items()},
+        }
         with self._unlocked():
-            what = "outer update failed"
-            try:
-                grads = [(s.grads, s.rows) for s in subs.values() if s.grads is not None and s.rows]
-                total = sum(n for _, n in grads)
-                if total:  # float32 or wider (outer.py's pseudo_gradient)
-                    mean = [sum(g[k] * (n / total) for g, n in grads) for k in range(len(params))]
-                    opt = jax.tree.unflatten(self._opt_def, opt_leaves)
-                    new_params, opt = self._update(params, opt, mean)
-                    params = [np.asarray(p) for p in new_params]
-                    opt_leaves = [np.asarray(x) for x in jax.tree.leaves(opt)]
-                meta = {
-                    "round": r + 1,
-                    "structure": self.structure,
-                    "config": dataclasses.asdict(self.config),
-                    "ledger": ledger_state,
-                    "island_steps": {str(i): n for i, n in island_steps.items()},
-                }
-                what = f"checkpoint could not be written to {self.directory}"
-                self._save(r, positions, params, opt_leaves, meta)
-            except Exception as e:  # nothing was applied: say why, in one line
-                failure = f"{type(e).__name__}: {e}".replace("\n", " ")
-        if failure is not None:
+            failure = round_commit.commit(
+                self._exchange, lambda: self._save(r, positions, meta), r, entries,
+                self.directory,
+            )  # fmt: skip
+        if failure is not None and not failure.startswith(round_commit.INSTALLED):
             self._event("save_failed", round=r, error=failure)
             self._fail(
-                f"round {r}'s {what} ({failure}); the round was not applied, and the run "
+                f"round {r}'s {failure}; the round was not applied, and the run "
                 "stops. Fix the cause and start the islands again: the coordinator resumes "
                 f"from its last checkpoint, the state round {r} started from."
             )
             return
-        self._params, self._opt_leaves = params, opt_leaves
         self.ledger.commit(islands)
         self._island_steps = island_steps
         self._event(
@@ -640,10 +636,16 @@ class IslandCoordinator:
         self._submissions.clear()
         self._hung_at, self._started_at, self._hang_s = None, None, (r, hang_s)
         self._opened = time.time()
+        if failure is not None:  # committed on disk, but a holder does not serve it
+            self._fail(
+                f"round {r} was committed, but a shard holder could not serve round {r + 1} "
+                f"({failure.removeprefix(round_commit.INSTALLED)}); the run stops. Start the "
+                f"islands again: the coordinator resumes from round {r + 1}."
+            )
         self._cond.notify_all()
 
     def _submit_async(
-        self, island: int, pseudo_gradient: list[np.ndarray] | None, metrics: dict[str, float]
+        self, island: int, token: str, round_: int, sent: bool, metrics: dict[str, float]
     ) -> bool:
         """Applies one island's pseudo-gradient now (weighted by its share of a full
         lease), unless it is staler than ``max_staleness`` updates."""
@@ -656,16 +658,15 @@ class IslandCoordinator:
             self._cond.notify_all()
             return False
         rows = self.ledger.submitted(island)
-        if pseudo_gradient is None:  # an empty lease: nothing to apply or commit
+        if not sent:  # an empty lease: nothing to apply or commit
             self.ledger.commit([island])
             self._leased.discard(island)
             self._cond.notify_all()
             return True
         # Alone in its "round": the weighted mean is its own, scaled by its share of a lease.
-        grads = [np.asarray(g) * (rows / self.config.lease_rows) for g in pseudo_gradient]
         metrics = {**metrics, "staleness": staleness}
-        self._submissions = {island: _Submission(grads, rows, metrics, time.time())}
-        self._apply()
+        self._submissions = {island: _Submission(token, round_, sent, rows, metrics, time.time())}
+        self._apply(weights={island: rows / self.config.lease_rows})
         self._check_error()
         return True
 
@@ -724,34 +725,26 @@ class IslandCoordinator:
         self._cond.notify_all()
 
     # ------------------------------------------------------------ checkpoint
-    def _save(
-        self,
-        r: int,
-        positions: np.ndarray,
-        params: list[np.ndarray],
-        opt_leaves: list[np.ndarray],
-        meta: dict[str, Any],
-    ) -> None:
-        """Round ``r`` was applied: its committed rows, then the state after it, durably
-        (``store.py``)."""
-        store.save(self.directory, r, positions, params, opt_leaves, meta)
+    def _save(self, r: int, positions: np.ndarray, meta: dict[str, Any]) -> None:
+        """Round ``r`` was applied: its committed rows, then the coordinator's state after
+        it, durably (``store.py``): the commit point."""
+        store.save(self.directory, r, positions, meta)
 
     def _restore(self) -> int | None:
-        """Resumes from the newest readable checkpoint (each unreadable newer one, torn
-        by a crash, is skipped with a warning); returns its round, or None."""
-        ckpt, skipped = store.load_newest(self.directory, len(self._params), len(self._opt_leaves))
-        for line in skipped:
-            warnings.warn(f"the islands' checkpoint {line}.", stacklevel=3)
-            self._event("checkpoint_unreadable", reason=line)
-        if ckpt is not None:
-            rows = {k: getattr(self.config, k) for k in ("num_rows", "epochs", "seed")}
-            store.check_matches(ckpt.path, ckpt.meta, self.structure, rows)
-            self._params, self._opt_leaves = ckpt.params, ckpt.opt_leaves
-            self.ledger = RowLedger.from_state(ckpt.meta["ledger"])
-            self._island_steps = {int(i): int(n) for i, n in ckpt.meta["island_steps"].items()}
-            self.round = int(ckpt.meta["round"])
+        """Resumes from the newest checkpoint that reads whole, its shards included
+        (``round_commit.restore``); returns its round, or None."""
+        meta = round_commit.restore(self.directory, self._exchange, self.structure,
+                                    self.config, self._skip)  # fmt: skip
+        if meta is not None:
+            self.ledger = RowLedger.from_state(meta["ledger"])
+            self._island_steps = {int(i): int(n) for i, n in meta["island_steps"].items()}
+            self.round = int(meta["round"])
         store.drop_rows_from(self.directory, self.round)  # an abandoned timeline's
-        return None if ckpt is None else self.round
+        return None if meta is None else self.round
+
+    def _skip(self, line: str) -> None:
+        warnings.warn(f"the islands' checkpoint {line}.", stacklevel=5)
+        self._event("checkpoint_unreadable", reason=line)
 
     def _event(self, event: str, **fields: Any) -> None:
         line = {"event": event, "t": time.time(), "pid": os.getpid(), **fields}

@@ -1,13 +1,33 @@
 """What every island and the coordinator agree on: :class:`IslandsConfig`, checked when
-it is built, and the fingerprint of a pytree that both sides compare (:func:`structure_of`).
+it is built, the fingerprint of a pytree that both sides compare (:func:`structure_of`),
+what a round's wait returns (:class:`Round`) and the errors an island handles.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import numpy as np
+
+
+class Round(NamedTuple):
+    """What ``IslandCoordinator.wait_round`` returns."""
+
+    round: int
+    params: list[np.ndarray]  # the global parameters the round starts from
+    finished: bool  # every row was committed: the parameters are the final ones
+    hang_s: float  # of the caller's previous round, the wait for islands found hung
+    donate: bool = False  # post your inner optimizer state for a joiner (`donate`)
+
+
+class RejoinRequired(RuntimeError):
+    """The coordinator does not know this island's token: join again."""
+
+
+class IslandsFailed(RuntimeError):
+    """The islands cannot go on (fewer than ``min_islands`` alive for too long)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,6 +58,12 @@ class IslandsConfig:
         its late submission is refused). ``None``: ``ROUND_TIMEOUT_FACTOR`` (5) x the
         median lease-to-submit time of the last ``ROUND_TIMES_KEPT`` (20) submissions,
         at least ``ROUND_TIMEOUT_FLOOR`` (60 s).
+      exchange_shards: the shards the global parameters and the outer optimizer state
+        are split into, one holder (a Ray actor) each; every island sends holder ``k``
+        shard ``k`` of its pseudo-gradient and reads the parameters back from the
+        holders. ``None``: one per island (a holder then receives about one island's
+        share of the model per round); ``1``: the star, one holder receives every
+        island's whole pseudo-gradient. A resumed run keeps the count it started with.
     """
 
     islands: int
@@ -54,6 +80,7 @@ class IslandsConfig:
     mode: str = "sync"
     max_staleness: int | None = None
     round_timeout: float | None = None
+    exchange_shards: int | None = None
 
     def __post_init__(self) -> None:
         if self.round_timeout is not None and not self.round_timeout > 0:
@@ -74,6 +101,11 @@ class IslandsConfig:
                 raise ValueError(
                     f"IslandsConfig.{name} must be >= 1. Received: {name}={getattr(self, name)!r}."
                 )
+        if self.exchange_shards is not None and int(self.exchange_shards) < 1:
+            raise ValueError(
+                "exchange_shards must be None (one shard per island) or >= 1. Received: "
+                f"exchange_shards={self.exchange_shards!r}."
+            )
         if self.min_islands > self.islands:
             raise ValueError(
                 f"min_islands={self.min_islands} is more than the islands started "
@@ -92,8 +124,17 @@ class IslandsConfig:
     def lease_rows(self) -> int:
         return self.sync_every * self.batch_size
 
+    @property
+    def shards(self) -> int:
+        """The parameter shards: ``exchange_shards``, or one per island."""
+        return int(self.exchange_shards or self.islands)
+
 
 def structure_of(leaves: Sequence[np.ndarray], treedef: str) -> str:
     """A fingerprint of a parameter pytree: its tree structure, shapes and dtypes."""
-    shapes = ", ".join(f"{np.dtype(x.dtype).name}{list(np.shape(x))}" for x in leaves)
+    # ``x.shape``: a leaf's values, or only its shape and dtype (``param_shards.LeafSpec``).
+    shapes = ", ".join(
+        f"{np.dtype(x.dtype).name}{list(x.shape if hasattr(x, 'shape') else np.shape(x))}"
+        for x in leaves
+    )
     return f"{treedef} / {shapes}"

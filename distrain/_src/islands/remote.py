@@ -13,10 +13,19 @@ an id into it (``DIR/run-id``); the actor refuses to start, with one line, where
 not read that id (the directory is not shared, or a relative path resolved elsewhere),
 rather than find no checkpoint there and start the run over; and each island checks
 that the actor reads the id the island reads.
+
+The global parameters live in shard holders (``param_shards.py``), one named, detached
+Ray actor per shard beside the coordinator's, made by the first island with its initial
+values (made by the coordinator from the committed shard files if it finds one gone).
+The island's proxy (:class:`Coordinator`) routes the tensors: on ``submit`` it sends
+each holder its shard of the pseudo-gradient, then the coordinator the rows and
+metrics; on ``wait_round`` it reads the round's parameters from the holders. No
+parameter passes through the coordinator.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 import sys
@@ -25,11 +34,13 @@ import uuid
 from collections.abc import Callable
 from typing import Any
 
+from distrain._src.islands import param_shards
 from distrain._src.islands.island_coordinator import (
     IslandCoordinator,
     IslandsFailed,
     RejoinRequired,
 )
+from distrain._src.islands.param_shards import Exchange, LeafSpec, ShardFailed, ShardHolder
 
 NAMESPACE = "distrain-islands"
 RUN_ID = "run-id"  # DIR/run-id: this run directory's id, written by the first island
@@ -53,6 +64,109 @@ def import_ray() -> Any:
 def actor_name(directory: str) -> str:
     """One coordinator per run directory."""
     return "islands-" + hashlib.sha1(os.path.abspath(directory).encode()).hexdigest()[:16]
+
+
+def holder_name(directory: str, index: int, shards: int) -> str:
+    """The holder of shard ``index`` of the run in ``directory``."""
+    return f"{actor_name(directory)}-shard-{index}-of-{shards}"
+
+
+class HolderLost(RuntimeError):
+    """A shard holder's actor died during a call (Ray restarts it)."""
+
+
+def check_shared(directory: str, run_id: str) -> None:
+    """Refuses to start an actor where ``directory`` does not hold ``run_id`` (a holder
+    made by ``ShardHolder(..., check=partial(check_shared, directory, run_id))``).
+
+    Raises:
+      DirectoryNotShared: it does not (one line).
+    """
+    seen = _read_run_id(directory)
+    if seen != run_id:
+        raise DirectoryNotShared(_not_shared(directory, run_id, seen))
+
+
+class RayHolders:
+    """The run's shard holders as Ray actors, made if absent (``segments``: each
+    shard's initial values, or only their specs); a call runs on all at once.
+
+    Args:
+      directory: the run directory (absolute).
+      segments: per shard, its initial segments or their :class:`LeafSpec`.
+      outer_optimizer: the outer optimizer.
+      run_id: the run directory's id.
+      timeout: seconds a call may take.
+    """
+
+    def __init__(self, directory: str, segments: list[list[Any]], outer_optimizer: Any,
+                 run_id: str, timeout: float) -> None:  # fmt: skip
+        self.timeout = timeout
+        self.handles = [
+            _holder(directory, k, len(segments), seg, outer_optimizer, run_id)
+            for k, seg in enumerate(segments)
+        ]
+
+    def map(self, method: str, args: list[tuple[Any, ...]]) -> list[Any]:
+        """``method`` on every holder at once; a holder's error comes back as raised.
+
+        Raises:
+          HolderLost: a holder's actor died (Ray restarts it).
+        """
+        ray = import_ray()
+        refs = [getattr(h, method).remote(*a) for h, a in zip(self.handles, args, strict=True)]
+        try:
+            return list(ray.get(refs, timeout=self.timeout))
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(
+                f"a shard holder did not answer {method}() within {self.timeout:g} s. "
+                "Expected it to be alive (see events.jsonl in the run directory)."
+            ) from None
+        except ray.exceptions.RayActorError as e:
+            if e.actor_init_failed:
+                raise _failed_to_start(e, "a shard holder") from None
+            raise HolderLost(f"a shard holder restarted ({type(e).__name__})") from None
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, ShardFailed | ValueError):
+                raise e.cause from None
+            raise
+
+    def kill(self) -> None:
+        for handle in self.handles:
+            import_ray().kill(handle, no_restart=True)
+
+
+def _holder(directory: str, index: int, shards: int, segments: list[Any],
+            outer_optimizer: Any, run_id: str) -> Any:  # fmt: skip
+    """The handle of shard ``index``'s holder, made with ``segments`` if it is absent
+    (looked up first: its initial values would go through Ray on every connect)."""
+    ray = import_ray()
+    name = holder_name(directory, index, shards)
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:  # absent: made here (another island may make it first)
+        pass
+    return (
+        ray.remote(ShardHolder)
+        .options(
+            name=name,
+            namespace=NAMESPACE,
+            get_if_exists=True,
+            lifetime="detached",
+            max_restarts=-1,
+            max_concurrency=16,  # islands put and read while the coordinator applies
+            num_cpus=0,
+            runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}},
+        )
+        .remote(
+            directory,
+            index,
+            shards,
+            segments,
+            outer_optimizer,
+            functools.partial(check_shared, directory, run_id),
+        )  # fmt: skip
+    )
 
 
 def connect(address: str | None, islands: int) -> None:
@@ -127,7 +241,22 @@ class RemoteCoordinator(IslandCoordinator):
         if seen != run_id:
             raise DirectoryNotShared(_not_shared(directory, run_id, seen))
         self.run_id = run_id
-        super().__init__(config, params, treedef, outer_optimizer, directory)
+        specs = param_shards.specs_of(params)
+        holders = None  # outside a Ray worker (in-process use): in-process holders
+        ray = sys.modules.get("ray")
+        if ray is not None and ray.is_initialized():
+            cut = param_shards.plan([s.shape for s in specs], config.shards)
+            # The first island made the holders with the initial values; one gone since
+            # (out of restarts) is made again from its committed shard file.
+            segments = [[LeafSpec((s.stop - s.start,), specs[s.leaf].dtype) for s in seg]
+                        for seg in cut]  # fmt: skip
+            holders = RayHolders(os.path.abspath(directory), segments, outer_optimizer,
+                                 run_id, timeout=max(60.0, 10 * config.death_timeout))  # fmt: skip
+            params = specs
+        super().__init__(config, params, treedef, outer_optimizer, directory, holders)
+
+    def _round_params(self) -> list[Any]:
+        return []  # the islands' proxies read them from the holders
 
     def check_directory(self, run_id: str) -> str | None:
         """None if this coordinator was made for, and still reads, the island's
@@ -171,6 +300,17 @@ def coordinator(name: str, args: tuple[Any, ...], timeout: float) -> Coordinator
     """
     ray = import_ray()
     rid = run_id(args[-1])
+    config, leaves, treedef, outer_optimizer, directory = args
+    specs = param_shards.specs_of(leaves)
+    cut = param_shards.plan([s.shape for s in specs], config.shards)
+    segments = [param_shards.split(leaves, seg) for seg in cut]
+    timeout_s = timeout
+
+    def exchange() -> Exchange:  # the holders first: the coordinator finds them
+        holders = RayHolders(os.path.abspath(directory), segments, outer_optimizer, rid, timeout_s)
+        return Exchange(specs, config.shards, holders)
+
+    args = (config, specs, treedef, outer_optimizer, directory)
     actor = ray.remote(RemoteCoordinator).options(
         name=name,
         namespace=NAMESPACE,
@@ -181,18 +321,18 @@ def coordinator(name: str, args: tuple[Any, ...], timeout: float) -> Coordinator
         num_cpus=0,
         runtime_env={"env_vars": {"JAX_PLATFORMS": "cpu"}},
     )
-    coord = Coordinator(lambda: actor.remote(*args, rid), timeout, rid)
+    coord = Coordinator(lambda: actor.remote(*args, rid), timeout, rid, exchange)
     coord.retry(lambda: coord("status"))
     return coord
 
 
-def _failed_to_start(e: Exception) -> Exception:
+def _failed_to_start(e: Exception, what: str = "the islands' coordinator") -> Exception:
     """The error of an actor whose constructor raised (Ray keeps only its text)."""
     text = str(e)
     marker = f"{DirectoryNotShared.__name__}: "
     if marker in text:  # the last line of the traceback: the refusal, one line
         return DirectoryNotShared(text.rsplit(marker, 1)[1].strip())
-    return RuntimeError(f"the islands' coordinator failed to start: {text}")
+    return RuntimeError(f"{what} failed to start: {text}")
 
 
 class Coordinator:
@@ -208,16 +348,23 @@ class Coordinator:
       timeout: seconds a call may wait for the coordinator (e.g. while Ray restarts it)
         before it raises ``TimeoutError``.
       run_id: the run directory's id as this process reads it.
+      exchange: makes (if absent) and returns the shard holders; the proxy sends them the
+        pseudo-gradients and reads the parameters from them.
     """
 
-    def __init__(self, create: Callable[[], Any], timeout: float, run_id: str) -> None:
+    def __init__(self, create: Callable[[], Any], timeout: float, run_id: str,
+                 exchange: Callable[[], Exchange]) -> None:  # fmt: skip
         self.create = create
         self.timeout = timeout
         self.run_id = run_id
+        self.make_exchange = exchange
+        self.exchange: Exchange | None = None
         self.handle: Any = None
+        self.bytes_sent = self.bytes_received = 0  # through the holders, by this process
 
     def _connect(self) -> Any:
         ray = import_ray()
+        self.exchange = self.make_exchange()
         handle = self.create()
         problem = ray.get(handle.check_directory.remote(self.run_id), timeout=self.timeout)
         if problem is not None:
@@ -226,6 +373,39 @@ class Coordinator:
         return handle
 
     def __call__(self, method: str, *args: Any) -> Any:
+        """``method(*args)`` of the coordinator; ``submit`` sends the pseudo-gradient to
+        the holders first, ``wait_round`` reads the round's parameters from them (None,
+        to be called again, while a holder serves another round)."""
+        if method == "submit":
+            island, token, round_, grads, *metrics = args
+            if grads is not None:
+                self._holders(lambda x: x.put(island, token, round_, grads))
+            return self._call("submit_sent", island, token, round_, grads is not None, *metrics)
+        result = self._call(method, *args)
+        if method == "wait_round" and result is not None:
+            params = self._holders(lambda x: x.params(result.round))
+            return None if params is None else result._replace(params=params)
+        return result
+
+    def _holders(self, call: Callable[[Exchange], Any]) -> Any:
+        """``call`` on the shard holders; a restarted holder asks the island to rejoin."""
+        exchange = self.exchange
+        if exchange is None:
+            self._call("status")  # connects, and makes the holders' handles
+            exchange = self.exchange
+        if exchange is None:  # pragma: no cover - _connect always sets it
+            raise RuntimeError("the islands' proxy has no shard holders after connecting")
+        sent, received = exchange.bytes_sent, exchange.bytes_received
+        try:
+            return call(exchange)
+        except HolderLost as e:
+            self.handle = None  # reconnect: the holders again (Ray restarted one)
+            raise RejoinRequired(str(e)) from None
+        finally:
+            self.bytes_sent += exchange.bytes_sent - sent
+            self.bytes_received += exchange.bytes_received - received
+
+    def _call(self, method: str, *args: Any) -> Any:
         ray = import_ray()
         try:
             handle = self._connect() if self.handle is None else self.handle
@@ -247,9 +427,11 @@ class Coordinator:
             raise
 
     def kill(self) -> None:
-        """Ends the actor: the run is over (a rerun in its directory gets a fresh one)."""
+        """Ends the actors: the run is over (a rerun in its directory gets fresh ones)."""
         if self.handle is not None:
             import_ray().kill(self.handle, no_restart=True)
+        if self.exchange is not None:
+            self.exchange.holders.kill()
 
     def poll(self, method: str, *args: Any, until: float | None = None) -> Any:
         """Calls ``method`` (which returns None while it should be called again) until

@@ -1,15 +1,17 @@
 """The islands' coordinator on disk: one checkpoint per applied round, and its rows.
 
-``DIR/checkpoints/round-R/`` holds the state a round ``R`` starts from (``state.npz``:
-the global parameters ``p0, p1, ...`` and the outer optimizer state ``o0, o1, ...``;
-``meta.json``: the round, the model's structure, the configuration, the row ledger and
-the inner steps each island had applied), written in a temporary directory and renamed
-into place; the last ``CHECKPOINTS_KEPT`` are kept. ``DIR/rows/round-R.npy`` holds the
+``DIR/checkpoints/round-R/meta.json`` holds the coordinator's state a round ``R``
+starts from: the round, the model's structure, the configuration (the number of
+parameter shards included), the row ledger and the inner steps each island had
+applied; written in a temporary directory and renamed into place, it is the commit
+point of round ``R - 1``. The parameters and the outer optimizer state are in the
+shard holders' files, ``DIR/shards/round-R/shard-K-of-S.npz`` (``param_shards.py``),
+written before it. The last ``CHECKPOINTS_KEPT`` are kept. ``DIR/rows/round-R.npy`` holds the
 positions round ``R`` committed, written before the checkpoint that follows it.
 
 Every file and every rename is fsynced, so an applied round survives a power loss. A
 checkpoint that cannot be read anyway (torn by a crash of the disk or the machine) is
-skipped by :func:`load_newest`, which falls back to the one before.
+skipped by the coordinator's restore, which falls back to the one before.
 """
 
 from __future__ import annotations
@@ -18,86 +20,86 @@ import contextlib
 import json
 import os
 import shutil
-import zipfile
 from collections.abc import Callable
-from typing import IO, Any, NamedTuple
+from typing import IO, Any
 
 import numpy as np
 
 CHECKPOINTS_KEPT = 2
 
 
-class Checkpoint(NamedTuple):
-    """A checkpoint read back whole."""
+#: What the coordinator's checkpoints hold since the parameters moved to shard holders
+#: (``param_shards.py``); checkpoints without it hold the parameters themselves.
+FORMAT = 2
 
-    path: str
-    meta: dict[str, Any]
-    params: list[np.ndarray]
-    opt_leaves: list[np.ndarray]
+
+class OldFormat(ValueError):
+    """A checkpoint written before the sharded exchange (the parameters inside it)."""
 
 
 def checkpoint_dir(directory: str, round_: int) -> str:
     return os.path.join(directory, "checkpoints", f"round-{round_:07d}")
 
 
-def save(
-    directory: str,
-    r: int,
-    positions: np.ndarray,
-    params: list[np.ndarray],
-    opt_leaves: list[np.ndarray],
-    meta: dict[str, Any],
-) -> None:
-    """Round ``r`` was applied: its committed ``positions``, then the state after it
-    (the checkpoint round ``r + 1`` starts from). A failure before the checkpoint is
-    renamed into place removes the rows file: nothing was committed. After the rename
-    the round is committed on disk, rows and state together."""
+def save(directory: str, r: int, positions: np.ndarray, meta: dict[str, Any]) -> None:
+    """Round ``r`` was applied: its committed ``positions``, then the coordinator's state
+    after it (the checkpoint round ``r + 1`` starts from; the shard holders saved their
+    shards of it before). A failure before the checkpoint is renamed into place removes
+    the rows file: nothing was committed. After the rename the round is committed on
+    disk, rows, state and (already there) the shards together."""
     rows_path = os.path.join(directory, "rows", f"round-{r:07d}.npy")
-    _write_durably(rows_path + ".tmp.npy", lambda f: np.save(f, positions))
+    write_durably(rows_path + ".tmp.npy", lambda f: np.save(f, positions))
     os.replace(rows_path + ".tmp.npy", rows_path)
-    _fsync_directory(os.path.dirname(rows_path))
+    fsync_directory(os.path.dirname(rows_path))
     try:
         final = checkpoint_dir(directory, r + 1)
         tmp = final + f".tmp-{os.getpid()}"
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        arrays = {f"p{k}": p for k, p in enumerate(params)}
-        arrays.update({f"o{k}": x for k, x in enumerate(opt_leaves)})
-        _write_durably(os.path.join(tmp, "state.npz"), lambda f: np.savez(f, **arrays))  # type: ignore[arg-type]  # numpy's stub
-        _write_durably(os.path.join(tmp, "meta.json"), lambda f: f.write(json.dumps(meta).encode()))
-        _fsync_directory(tmp)
+        meta = {**meta, "format": FORMAT}
+        write_durably(os.path.join(tmp, "meta.json"), lambda f: f.write(json.dumps(meta).encode()))
+        fsync_directory(tmp)
         shutil.rmtree(final, ignore_errors=True)  # a torn one that a restore skipped
         os.replace(tmp, final)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(rows_path)
         raise
-    _fsync_directory(os.path.dirname(final))
-    for old in _rounds(directory)[:-CHECKPOINTS_KEPT]:
+    fsync_directory(os.path.dirname(final))
+    for old in rounds(directory)[:-CHECKPOINTS_KEPT]:
         shutil.rmtree(checkpoint_dir(directory, old), ignore_errors=True)
 
 
-def load_newest(
-    directory: str, num_params: int, num_opt_leaves: int
-) -> tuple[Checkpoint | None, list[str]]:
-    """The newest checkpoint that reads whole, or None; and one line for each newer one
-    that did not (the path, why, and what is used instead)."""
-    rounds, skipped = _rounds(directory), []
-    for k in range(len(rounds) - 1, -1, -1):
-        path = checkpoint_dir(directory, rounds[k])
+def read_meta(directory: str, round_: int) -> dict[str, Any]:
+    """The coordinator's checkpoint of ``round_``.
+
+    Raises:
+      OSError, ValueError: it cannot be read (torn by a crash).
+      OldFormat: it was written before the sharded exchange.
+    """
+    path = checkpoint_dir(directory, round_)
+    with open(os.path.join(path, "meta.json")) as f:
+        meta: dict[str, Any] = json.load(f)
+    if meta.get("format") != FORMAT:
+        raise OldFormat(
+            f"{path} holds a checkpoint of the islands' star exchange (the parameters in "
+            "the coordinator's state.npz), which this version cannot resume: it keeps them "
+            "in shard holders. Expected a checkpoint of format 2. Finish that run with the "
+            "distrain that wrote it, or start this one in another directory."
+        )
+    return meta
+
+
+def newest_round(directory: str) -> int:
+    """The newest round whose coordinator checkpoint reads (0 if none): the committed
+    round a restarted shard holder serves."""
+    for r in reversed(rounds(directory)):
         try:
-            with open(os.path.join(path, "meta.json")) as f:
-                meta = json.load(f)
-            with np.load(os.path.join(path, "state.npz")) as z:
-                params = [z[f"p{i}"] for i in range(num_params)]
-                opt_leaves = [z[f"o{i}"] for i in range(num_opt_leaves)]
-        except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile) as e:
-            instead = f"round {rounds[k - 1]}" if k else "the initial state (no other)"
-            reason = f"{type(e).__name__}: {e}".replace("\n", " ")
-            skipped.append(f"{path} is unreadable ({reason}); resuming from {instead}")
+            read_meta(directory, r)
+        except (OSError, ValueError):
             continue
-        return Checkpoint(path, meta, params, opt_leaves), skipped
-    return None, skipped
+        return r
+    return 0
 
 
 def drop_rows_from(directory: str, round_: int) -> None:
@@ -139,7 +141,7 @@ def check_matches(path: str, meta: dict[str, Any], structure: str, rows: dict[st
         )
 
 
-def _rounds(directory: str) -> list[int]:
+def rounds(directory: str) -> list[int]:
     root = os.path.join(directory, "checkpoints")
     if not os.path.isdir(root):
         return []
@@ -148,7 +150,7 @@ def _rounds(directory: str) -> list[int]:
     )
 
 
-def _write_durably(path: str, write: Callable[[IO[bytes]], Any]) -> None:
+def write_durably(path: str, write: Callable[[IO[bytes]], Any]) -> None:
     """Writes ``path`` with ``write`` and fsyncs it (it must survive a power loss)."""
     with open(path, "wb") as f:
         write(f)
@@ -156,7 +158,7 @@ def _write_durably(path: str, write: Callable[[IO[bytes]], Any]) -> None:
         os.fsync(f.fileno())
 
 
-def _fsync_directory(path: str) -> None:
+def fsync_directory(path: str) -> None:
     """Makes the entries of ``path`` (a rename into it) durable."""
     fd = os.open(path, os.O_RDONLY)
     try:

@@ -1,0 +1,238 @@
+"""The islands' sharded exchange (issue 57 item 2), in-process: the parameters and the
+outer optimizer state live in shard holders (``param_shards.py``), the coordinator
+keeps the rounds and the ledger, and its checkpoint is the commit point of a round.
+With real Ray actors and SIGKILLs: tests/test_islands_faults.py.
+"""
+
+import json
+import os
+import threading
+import time
+
+import numpy as np
+import optax
+import pytest
+
+from distrain._src.islands import param_shards
+from distrain._src.islands.island_coordinator import (
+    IslandCoordinator,
+    IslandsConfig,
+    IslandsFailed,
+    committed_rows,
+    structure_of,
+)
+
+# Odd sizes: 5 + 12 + 7 = 24 elements; 3 shards cut at 8 and 16, both inside leaf 1.
+PARAMS = [
+    np.arange(5, dtype=np.float32) / 3,
+    np.linspace(-1, 1, 12, dtype=np.float32).reshape(3, 4),
+    np.full((7,), 0.25, np.float32),
+]
+TREEDEF = "PyTreeDef([*, *, *])"
+STRUCTURE = structure_of(PARAMS, TREEDEF)
+NESTEROV = optax.sgd(0.7, momentum=0.9, nesterov=True)  # DiLoCo's outer optimizer
+
+
+def _coordinator(run, holders=None, cls=IslandCoordinator, **kw):
+    config = dict(
+        islands=2, sync_every=2, batch_size=2, num_rows=22, epochs=1, seed=None,
+        death_timeout=60.0, heartbeat_interval=0.1, start_timeout=30.0,
+    )  # fmt: skip
+    return cls(IslandsConfig(**{**config, **kw}), PARAMS, TREEDEF, NESTEROV, str(run), holders)
+
+
+def _grads(seed):
+    rng = np.random.default_rng(seed)
+    return [rng.standard_normal(p.shape).astype(np.float32) for p in PARAMS]
+
+
+def _round(coord, tokens, r, submit=None):
+    """Both islands lease round ``r`` and submit seeded pseudo-gradients (``submit``
+    calls the closing one, island 1's); returns each island's rows."""
+    rows = {}
+    for i, t in tokens.items():
+        coord.wait_round(i, t, r - 1, timeout=10)
+        rows[i] = len(coord.lease(i, t, r, timeout=10)[0])
+    coord.submit(0, tokens[0], r, _grads(10 * r) if rows[0] else None)
+    (submit or coord.submit)(1, tokens[1], r, _grads(10 * r + 1) if rows[1] else None)
+    return rows
+
+
+def _start(coord):
+    return {i: coord.join(i, STRUCTURE)[0] for i in (0, 1)}
+
+
+def test_the_sharded_rounds_equal_the_star_bit_for_bit(tmp_path):
+    """S=3 (boundaries inside a leaf) gives exactly S=1's parameters after 3 rounds, the
+    last one with uneven row weights (4 and 2 rows); both match the star's arithmetic,
+    and each holder receives only its shard of each pseudo-gradient."""
+    finals, received = {}, {}
+    for shards in (1, 3):
+        coord = _coordinator(tmp_path / f"s{shards}", exchange_shards=shards)
+        tokens = _start(coord)
+        for r in range(3):
+            rows = _round(coord, tokens, r)
+        assert rows == {0: 4, 1: 2} and coord.status()["round"] == 3
+        finals[shards] = coord.params()
+        received[shards] = [h.bytes_received for h in coord._exchange.holders.holders]
+        coord.stop()
+    for a, b in zip(finals[1], finals[3], strict=True):
+        np.testing.assert_array_equal(a, b)
+    nbytes = sum(p.nbytes for p in PARAMS)  # 96: 2 islands x 3 rounds each time
+    assert received[1] == [6 * nbytes] and received[3] == [6 * nbytes // 3] * 3
+    # The star, as the coordinator computed it before the shards (NumPy mean, optax).
+    params, state = [p.copy() for p in PARAMS], NESTEROV.init(PARAMS)
+    for r, weights in enumerate([(0.5, 0.5), (0.5, 0.5), (4 / 6, 2 / 6)]):
+        g0, g1 = _grads(10 * r), _grads(10 * r + 1)
+        mean = [a * weights[0] + b * weights[1] for a, b in zip(g0, g1, strict=True)]
+        updates, state = NESTEROV.update(mean, state, params)
+        params = [np.asarray(x) for x in optax.apply_updates(params, updates)]
+    for a, b in zip(finals[3], params, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    assert not np.allclose(finals[3][1], PARAMS[1])
+    assert sorted(os.listdir(tmp_path / "s3" / "shards")) == ["round-0000002", "round-0000003"]
+
+
+def test_a_restart_between_the_shards_save_and_the_commit_resumes_the_round_before(tmp_path):
+    """The holders saved round 2, the coordinator died before its checkpoint (the commit
+    point): a new coordinator resumes at round 1 with round 1's parameters and momentum,
+    the uncommitted shards are deleted, and round 1's rows are trained again, once."""
+    gate = threading.Event()
+
+    class Dies(IslandCoordinator):  # its process "dies" in round 1's commit
+        def _save(self, r, *args):
+            if r == 1:
+                gate.wait(30)
+                raise OSError("the old coordinator's process is gone")
+            return super()._save(r, *args)
+
+    run = tmp_path / "run"
+    coord = _coordinator(run, cls=Dies)
+    tokens = _start(coord)
+    _round(coord, tokens, 0)
+    after_one = coord.params()
+    closing = threading.Thread(target=lambda: _round(coord, tokens, 1, _quiet(coord)))
+    closing.start()
+    staged = run / "shards" / "round-0000002"
+    deadline = time.time() + 30
+    while len(list(staged.glob("*.npz")) if staged.exists() else []) < 2:
+        assert time.time() < deadline, "the holders never saved round 2"
+        time.sleep(0.02)
+    again = _coordinator(run)  # the restarted coordinator, the old one still mid-commit
+    assert again.status()["round"] == 1 and again.status()["committed_rows"] == 8
+    assert not staged.exists()  # saved, never committed: deleted
+    for a, b in zip(again.params(), after_one, strict=True):
+        np.testing.assert_array_equal(a, b)
+    gate.set()
+    closing.join(timeout=30)
+    coord.stop()
+    # Trained again, the rounds give what an uninterrupted run gives, every row once.
+    tokens = _start(again)
+    for r in (1, 2):
+        _round(again, tokens, r)
+    straight = _coordinator(tmp_path / "straight")
+    t = _start(straight)
+    for r in range(3):
+        _round(straight, t, r)
+    for a, b in zip(again.params(), straight.params(), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert np.array_equal(np.sort(committed_rows(str(run))), np.arange(22))
+    again.stop()
+    straight.stop()
+
+
+def _quiet(coord):
+    """Island 1's closing submission, whose failure (the old coordinator's) is expected."""
+
+    def submit(*args):
+        try:
+            coord.submit(*args)
+        except IslandsFailed:
+            pass
+
+    return submit
+
+
+def test_a_shard_that_cannot_be_saved_or_served_stops_the_run_in_one_line(tmp_path):
+    """A holder's save fails: nothing is applied. A holder that restarted after an island
+    sent it its shard: nothing is applied. A holder that cannot serve a committed round:
+    the round stays committed, the run stops, and a restart resumes after it."""
+    run = tmp_path / "run"
+    coord = _coordinator(run)
+    tokens = _start(coord)
+    (run / "shards").write_text("not a directory")  # a real failure of every holder
+    with pytest.raises(IslandsFailed) as failed:
+        _round(coord, tokens, 0)
+    message = str(failed.value)
+    assert "\n" not in message and "not applied" in message
+    assert "round 0's update in the parameter shards failed (ShardFailed: shard 0 could " in message
+    assert "NotADirectoryError" in message
+    assert coord.status()["round"] == 0 and not (run / "checkpoints").exists()
+    np.testing.assert_array_equal(coord.params()[1], PARAMS[1])
+    coord.stop()
+    (run / "shards").unlink()
+
+    # Ray restarted holder 1 after island 0 sent it its shard: the mean cannot be taken.
+    coord = _coordinator(tmp_path / "lost")
+    tokens = _start(coord)
+    holders = coord._exchange.holders.holders
+
+    def restart_holder_1(*args):
+        holders[1] = param_shards.ShardHolder(holders[1].directory, 1, 2,
+                                              [np.asarray(p) for p in holders[1]._params],
+                                              NESTEROV)  # fmt: skip
+        coord.submit(*args)
+
+    with pytest.raises(IslandsFailed, match=r"^round 0's update in the parameter shards failed "
+                       r"\(ShardFailed: shard 1 of 2 has no pseudo-gradient of island 0 for "
+                       r"round 0 \(the holder restarted"):  # fmt: skip
+        _round(coord, tokens, 0, restart_holder_1)
+    assert coord.status()["round"] == 0 and not (tmp_path / "lost" / "checkpoints").exists()
+    coord.stop()
+
+    # Committed, then holder 0 lost its staged shard and its file (a restart, a disk).
+    class Unserved(IslandCoordinator):
+        def _save(self, r, *args):
+            super()._save(r, *args)
+            holders = self._exchange.holders.holders
+            holders[0]._staged = None
+            os.remove(param_shards.shard_path(self.directory, r + 1, 0, 2))
+
+    coord = _coordinator(tmp_path / "unserved", cls=Unserved)
+    tokens = _start(coord)
+    served = r"^round 0 was committed, but a shard holder could not serve round 1 \(FileNotFound"
+    with pytest.raises(IslandsFailed, match=served + r"Error: .*resumes from round 1\.$"):
+        _round(coord, tokens, 0)
+    coord.stop()
+    assert len(committed_rows(str(tmp_path / "unserved"))) == 8
+
+
+def test_checkpoints_that_cannot_resume_are_refused_in_one_line(tmp_path):
+    """The star's checkpoints (parameters inside), another number of shards, and holders
+    that served a later round than any checkpoint: each refused in one line."""
+    old = tmp_path / "old" / "checkpoints" / "round-0000001"
+    old.mkdir(parents=True)
+    np.savez(old / "state.npz", p0=PARAMS[0], p1=PARAMS[1], p2=PARAMS[2])
+    (old / "meta.json").write_text(json.dumps({"round": 1, "structure": STRUCTURE}))
+    star = r"round-0000001 holds a checkpoint of the islands' star exchange .* or start this"
+    with pytest.raises(ValueError, match=star + r" one in another directory\.$") as e:
+        _coordinator(tmp_path / "old")
+    assert "\n" not in str(e.value)
+
+    coord = _coordinator(tmp_path / "run")  # 2 shards: one per island
+    tokens = _start(coord)
+    _round(coord, tokens, 0)
+    holders = coord._exchange.holders
+    coord.stop()
+    other = r"holds the parameters in 2 shards; this run has exchange_shards=3 \(3 shards\)\. "
+    with pytest.raises(ValueError, match=other + r"Resume with exchange_shards=2\.$"):
+        _coordinator(tmp_path / "run", exchange_shards=3)
+    for name in ("checkpoints", "rows"):
+        for path in sorted((tmp_path / "run" / name).rglob("*"), reverse=True):
+            path.rmdir() if path.is_dir() else path.unlink()
+    later = r"holds no checkpoint, but its shard holders served a later round \(shard 0 holds "
+    with pytest.raises(ValueError, match=later + r"round 1 and has no file of round 0\)"):
+        _coordinator(tmp_path / "run", holders=holders)  # the detached actors of a wiped run
+    with pytest.raises(ValueError, match=r"exchange_shards must be None .* or >= 1\. Received: "
+                       "exchange_shards=0"):  # fmt: skip
+        IslandsConfig(islands=2, sync_every=1, batch_size=1, num_rows=4, exchange_shards=0)
