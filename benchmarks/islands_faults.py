@@ -42,6 +42,11 @@ slow the islands' rounds), into ``DIR/curve.jsonl``.
 The islands compile their programs afresh (no persistent compilation cache, unless
 ``--compile-cache DIR``): a restarted island pays its compilation again.
 
+``--nproc-per-island P``: each island is a ``jax.distributed`` world of ``P`` processes
+(one CPU device each; ``dt.MultiWorkerMirroredStrategy``), its process 0 the one that
+talks to the coordinator and the one the killer SIGKILLs; ``nproc_per_island`` in the
+results.
+
 ``--toy``: 2 islands, seeds 0 and 1, a tiny model, short rounds, kills after 1 round,
 and one compilation cache shared by the arms (smoke-test speed, not a measurement).
 
@@ -115,6 +120,10 @@ def worker(args: argparse.Namespace) -> None:
     import distrain as dt
     from benchmarks.islands import Recipe
 
+    # An island of several processes joins its world before any other JAX call.
+    several = int(os.environ.get("DISTRAIN_NUM_PROCESSES", "1")) > 1
+    strategy = dt.MultiWorkerMirroredStrategy() if several else None
+
     island = int(os.environ["DISTRAIN_ISLAND"])
     islands = int(os.environ["DISTRAIN_ISLANDS"])
     overrides = TOY if args.toy else MODEL
@@ -152,6 +161,7 @@ def worker(args: argparse.Namespace) -> None:
         min_islands_timeout=120.0,
         on_round=on_round,
         heal_from_peer=args.heal,
+        strategy=strategy,
     )
     if island == 0:
         _snapshot(snapshots, last[0], result.params, final=True)
@@ -249,7 +259,7 @@ def _run_arm(
     """One `distrain launch --islands N` run; the killer thread beside it if ``kill``."""
     command = [
         sys.executable, "-m", "distrain.cli", "launch", "--islands", str(args.islands),
-        "--max-restarts", "3", "--",
+        "--nproc-per-island", str(args.nproc_per_island), "--max-restarts", "3", "--",
         sys.executable, "-m", "benchmarks.islands_faults", "--worker", str(directory),
         "--seed", str(seed), "--data", str(args.data), "--batch", str(args.batch),
         "--sync-every", str(args.sync_every), "--epochs", str(args.epochs),
@@ -266,7 +276,7 @@ def _run_arm(
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
         "JAX_PLATFORMS": "cpu",
-        # One device per island: its MirroredStrategy is one replica.
+        # One device per process: an island of one process is one replica.
         "XLA_FLAGS": f"{flags} --xla_force_host_platform_device_count=1".strip(),
     }
     if args.compile_cache:  # every compilation, however short, goes to the cache
@@ -639,6 +649,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--rows", type=int, default=None, help="use the first ROWS windows")
     parser.add_argument("--eval-every", type=int, default=None, help="rounds")
     parser.add_argument("--eval-rows", type=int, default=None, help="held-out rows")
+    parser.add_argument(
+        "--nproc-per-island", type=int, default=1, help="processes per island (default 1)"
+    )
     parser.add_argument("--death-timeout", type=float, default=5.0)
     parser.add_argument("--heartbeat", type=float, default=0.5)
     parser.add_argument("--kill-after", type=int, default=None, help="rounds (toy: 1)")
@@ -746,10 +759,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "python": platform.python_version(),
             "platform": platform.platform(),
             "cpu_cores": os.cpu_count(),
-            "backend": "cpu, one device per island",
+            "backend": "cpu, one device per process",
         },
         "toy": args.toy,
         "islands": args.islands,
+        "nproc_per_island": args.nproc_per_island,
         "killed_island": KILLED_ISLAND,
         "seeds": seeds,
         "model": overrides,

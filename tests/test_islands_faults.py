@@ -380,8 +380,9 @@ def test_train_checks_its_arguments_before_it_connects(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="must both split over the island's 8 replicas"):
         train(None, state, data, batch_size=4, sync_every=2, directory=str(tmp_path),
               island=0, islands=1)  # fmt: skip
-    monkeypatch.setenv("DISTRAIN_NUM_PROCESSES", "2")
-    with pytest.raises(ValueError, match="one process per island in this release"):
+    monkeypatch.setenv("DISTRAIN_NUM_PROCESSES", "2")  # a 2-process island; JAX runs one
+    with pytest.raises(ValueError, match=r"the island has 2 processes \(--nproc-per-island\), "
+                       r"but its strategy spans the devices of process\(es\) \[0\]"):  # fmt: skip
         train(None, state, data, batch_size=8, sync_every=2, directory=str(tmp_path),
               island=0, islands=2, epochs=4)  # fmt: skip
     monkeypatch.delenv("DISTRAIN_NUM_PROCESSES")
@@ -529,9 +530,14 @@ def test_islands_survive_sigkills_of_an_island_and_the_coordinator(tmp_path):
     # for want of a trained peer. (Which one depends on when the kills land; the
     # benchmark's heal arms record every rejoin healed from island 0.)
     timeline = _lines(run / "island-1/timeline.jsonl")
-    no_peer = "no live peer has trained a round since it (or the coordinator) started"
+    # Or, a race the coordinator names: island 0 pulled the round before island 1 asked.
+    fresh = (
+        "no live peer has trained a round since it (or the coordinator) started",
+        "every live peer had started round",
+    )
     heals = [e for e in timeline if e["event"] == "heal" and e["round"] > 0]
-    assert heals and all(e["donor"] == 0 or e["why"] == no_peer for e in heals), heals
+    whys = [(e["round"], e["donor"], e.get("why")) for e in heals]
+    assert heals and all(e["donor"] == 0 or e["why"].startswith(fresh) for e in heals), whys
     healed = {e["round"] for e in events if e["event"] == "healed"}
     assert healed == {e["round"] for e in heals if e["donor"] == 0}
     results = [json.loads((run / f"island-{i}/result.json").read_text()) for i in (0, 1)]

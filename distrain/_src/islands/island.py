@@ -1,12 +1,15 @@
 """One fault-isolated island: its training loop against the run's `IslandCoordinator`.
 
-Every island runs :func:`train` in its own JAX world (one process, with any number of
-devices), usually started by ``distrain launch --islands N``. Per
-round it pulls the global parameters, leases rows, runs ``sync_every`` inner steps of
-the user's per-replica ``train_step`` with any synchronous strategy, and submits its
-pseudo-gradient (global minus its own parameters). A heartbeat thread keeps it alive in
-the coordinator's eyes. If the island is declared dead, or the coordinator restarts, it
-joins again from the global state; a restarted island process does the same.
+Every island runs :func:`train` in its own JAX world (one process or several, each with
+any number of devices), usually started by ``distrain launch --islands N
+--nproc-per-island P``. Per round it pulls the global parameters, leases rows, runs
+``sync_every`` inner steps of the user's per-replica ``train_step`` with any synchronous
+strategy over the island's devices, and submits its pseudo-gradient (global minus its
+own parameters). A heartbeat thread keeps it alive in the coordinator's eyes. If the
+island is declared dead, or the coordinator restarts, it joins again from the global
+state; a restarted island does the same. With several processes, the island's process
+0 alone talks to the coordinator and broadcasts to the others (``island_link.py``); the
+loop itself is ``island_loop.py``.
 
 The inner optimizer state across rounds: kept while the island lives (DiLoCo). When the
 island joins or rejoins, it takes a live peer's (``heal_from_peer``) or the initial one,
@@ -16,53 +19,23 @@ learning-rate schedules continue where its peers are (``joining.py``).
 
 from __future__ import annotations
 
-import dataclasses
-import functools
-import json
 import os
-import signal
-import sys
-import threading
-import time
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import numpy as np
 
-from distrain._src.checkpoint.preemption import PREEMPTION_EXIT_CODE
 from distrain._src.cluster.base import ENV_ISLAND, ENV_ISLANDS, ENV_NUM_PROCESSES
 from distrain._src.goodput import ledger as goodput
 from distrain._src.islands import remote
-from distrain._src.islands.island_coordinator import IslandsConfig, RejoinRequired, structure_of
+from distrain._src.islands.island_coordinator import IslandsConfig, structure_of
+from distrain._src.islands.island_link import Link, rendezvous
+from distrain._src.islands.island_loop import IslandLoop, IslandsResult, Log, SigTerm, Take
 from distrain._src.islands.joining import Joiner
 from distrain._src.islands.outer import delayed_nesterov
-from distrain._src.train.metrics import Metric
 
-Take = Callable[[np.ndarray], Any]
-
-
-@dataclasses.dataclass(frozen=True)
-class IslandsResult:
-    """What :func:`train` returns on every island.
-
-    Attributes:
-      params: the final global parameters (NumPy leaves in the state's structure).
-      island: this island's id.
-      history: one dict per round this process trained and submitted: ``round``,
-        ``rows``, ``loss`` (the mean of the
-        step metrics' ``"loss"``, if any), ``compute_s`` and ``applied`` (False: the
-        asynchronous mode discarded it as too stale).
-    """
-
-    params: Any
-    island: int
-    history: list[dict[str, Any]]
-
-    @property
-    def rounds(self) -> int:
-        """The rounds this process trained and submitted."""
-        return len(self.history)
+__all__ = ["IslandsResult", "random_access", "train"]
 
 
 def random_access(data: Any) -> tuple[int, Take]:
@@ -114,20 +87,6 @@ def random_access(data: Any) -> tuple[int, Take]:
     )
 
 
-def _delta(global_leaf: np.ndarray, local: np.ndarray) -> np.ndarray:
-    dtype = np.promote_types(global_leaf.dtype, np.float32)
-    return global_leaf.astype(dtype) - local.astype(dtype)
-
-
-def _round_loss(losses: list[Any]) -> float | None:
-    """The round's loss: the merged sums' value for ``dt.metrics``, else the mean."""
-    if not losses:
-        return None
-    if isinstance(losses[0], Metric):
-        return float(functools.reduce(lambda a, b: a.merge(b), losses).compute())
-    return float(np.mean(losses))
-
-
 def _ids(island: int | None, islands: int | None) -> tuple[int, int]:
     def env(name: str) -> int | None:
         value = os.environ.get(name)
@@ -147,9 +106,10 @@ def _ids(island: int | None, islands: int | None) -> tuple[int, int]:
     return island, islands
 
 
-def _check_placement(replicas: int, batch_size: int, rows: int) -> None:
-    """One process per island, and batches (the last, partial one too) that split over
-    the island's replicas."""
+def _check_placement(strategy: Any, batch_size: int, rows: int) -> None:
+    """Batches (the last, partial one too) that split over the island's replicas, and a
+    strategy over the devices of every process of the island."""
+    replicas = strategy.num_replicas_in_sync
     tail = rows % batch_size
     if batch_size % replicas or tail % replicas:
         raise ValueError(
@@ -158,67 +118,15 @@ def _check_placement(replicas: int, batch_size: int, rows: int) -> None:
             f"island's {replicas} replicas. Choose a batch size (or epochs) for which they do."
         )
     processes = max(jax.process_count(), int(os.environ.get(ENV_NUM_PROCESSES, "1")))
-    if processes > 1:
+    spanned = sorted({d.process_index for d in strategy.devices})
+    if len(spanned) != processes:
         raise ValueError(
-            f"islands.train runs one process per island in this release; this island has "
-            f"{processes} processes. Use --nproc-per-island 1 (each process may "
-            "hold several devices: --devices-per-proc, or the GPUs it sees)."
+            f"the island has {processes} processes (--nproc-per-island), but its strategy "
+            f"spans the devices of process(es) {spanned} of JAX's {jax.process_count()}. "
+            "Expected a strategy over every device of the island: create "
+            "dt.MultiWorkerMirroredStrategy() first thing in the program (before any other "
+            "JAX call) and pass it as strategy=."
         )
-
-
-class _Log:
-    """``DIR/island-I/timeline.jsonl``: start-up milestones and one line per round."""
-
-    def __init__(self, directory: str) -> None:
-        os.makedirs(directory, exist_ok=True)
-        self.path = os.path.join(directory, "timeline.jsonl")
-
-    def __call__(self, event: str, **fields: Any) -> None:
-        with open(self.path, "a") as f:
-            f.write(json.dumps({"event": event, "t": time.time(), **fields}) + "\n")
-
-
-class _Terminated(BaseException):
-    """SIGTERM reached the island inside :func:`train`'s loop, which unwinds."""
-
-
-class _SigTerm:
-    """SIGTERM ends an island at once with ``PREEMPTION_EXIT_CODE`` (143).
-
-    What the island knows lives in the coordinator (committed each round), so there is
-    nothing to save: ``distrain launch`` restarts it as a preemption, or, when the
-    launcher itself was stopped (Ctrl-C), the island is gone well within its grace
-    period. Inside the loop (``unwind``) the handler raises, so that :func:`train`'s
-    ``finally`` closes the ledger, and then ends the process; before it, the handler
-    ends it at once. Replaced: Ray's own handler (``sys.exit(15)``: a failure, after
-    2-4 s of interpreter shutdown) and the C-level one Ray's core worker installs over
-    it, which printed a stack trace of the SIGTERM. Only on the main thread (where
-    Python sets handlers). Not `checkpoint.preemption.PreemptionHandler`: it saves, then
-    exits with ``SystemExit``, which Ray's ``get`` turns into a failure.
-    """
-
-    def __init__(self) -> None:
-        self.received = False
-        self.unwind = False
-        self.previous: Any = None
-        if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        self.received = True
-        if not self.unwind:
-            self.exit()
-        raise _Terminated  # inside ray.get it comes out as a SystemError: see `received`
-
-    def restore(self) -> None:
-        if self.previous is not None:
-            signal.signal(signal.SIGTERM, self.previous)
-
-    @staticmethod
-    def exit() -> None:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(PREEMPTION_EXIT_CODE)
 
 
 def train(
@@ -251,22 +159,21 @@ def train(
     """Trains this island until every row of ``epochs`` passes was committed.
 
     Args:
-      train_step: the per-replica step, ``(state, batch) -> (state, metrics)``, as for
-        ``strategy.run``.
-      state: the initial train state (a ``dt.TrainState`` or any state with ``params``
-        and ``replace``); every island must build the same one.
+      train_step: the per-replica step, ``(state, batch) -> (state, metrics)``.
+      state: the initial train state (with ``params`` and ``replace``); every island
+        must build the same one.
       data: a random-access dataset (see :func:`random_access`).
       batch_size: rows of one inner step of this island (split over its replicas).
       sync_every: H, inner steps per round.
       directory: the run's directory: the coordinator's checkpoints and events, each
         island's goodput ledger and timeline. A directory with a checkpoint resumes.
-      epochs, seed: the rows handed out: ``epochs`` passes, each in a permutation seeded
-        by ``seed`` (``None``: in order).
+      epochs, seed: ``epochs`` passes over the rows, each in a permutation seeded by
+        ``seed`` (``None``: in order).
       outer_optimizer: optax; default DiLoCo's Nesterov SGD (lr 0.7, momentum 0.9), or
-        with ``mode="async"`` delayed Nesterov with the same constants and a delay of
-        ``islands`` arrivals.
-      strategy: the synchronous strategy inside the island (default
-        ``dt.MirroredStrategy()`` over this process's devices).
+        with ``mode="async"`` delayed Nesterov with a delay of ``islands`` arrivals.
+      strategy: the synchronous strategy over the island's devices (default
+        ``dt.MirroredStrategy()``, or ``dt.MultiWorkerMirroredStrategy()`` in an island
+        of several processes: create it first thing in the program).
       island, islands: this island's id and the number of islands (default: from
         ``distrain launch --islands``).
       min_islands: rounds pause below this many live islands.
@@ -275,33 +182,27 @@ def train(
       start_timeout: round 0 waits this long for every island to join.
       min_islands_timeout: the run fails after this long below ``min_islands``.
       mode: ``"sync"`` (rounds with a barrier) or ``"async"`` (each pseudo-gradient
-        applied when it arrives; no island waits for another).
+        applied when it arrives).
       max_staleness: async: discard a pseudo-gradient computed from parameters more than
         this many outer updates old (its rows are trained again).
-      round_timeout: an island that holds a lease this long without submitting (or, in
-        a synchronous round, has not leased this long after the round started) is hung
-        and treated as dead; ``None``: 5 x the median round time, at least 60 s
-        (``IslandsConfig.round_timeout``). The survivors' wait for it is charged to the
-        ``hang`` bucket of their goodput ledgers.
+      round_timeout: an island that holds a lease this long without submitting is hung
+        and treated as dead (``None``: ``IslandsConfig.round_timeout``); the survivors'
+        wait is charged to their ledgers' ``hang`` bucket.
       call_timeout: seconds a call to the coordinator may take (its restart included).
       ray_address: the Ray cluster (default ``RAY_ADDRESS``, set by the launcher).
       on_round: called as ``on_round(round, global_params)`` before each round this
-        island trains, and once with the final parameters (e.g. to evaluate them).
-      heal_from_peer: when this island (re)joins a run under way, start from a live
-        island's inner optimizer state instead of the initial one (torchft's healing;
-        its counts go on at ``round x sync_every`` either way; on by default: it
-        measured a smaller killed-vs-unkilled loss gap at no slower a rejoin, see
-        docs/islands.md). Every island must then build the same optimizer. Without a
-        live peer that trained a round, it starts as without healing and says so in one
-        line.
+        island trains, and once with the final parameters; on every process.
+      heal_from_peer: a (re)joining island starts from a live island's inner optimizer
+        state (else the initial one; its counts go on at ``round x sync_every`` either
+        way). Every island must then build the same optimizer (docs/islands.md).
 
     Returns:
-      :class:`IslandsResult` (the final global parameters on every island).
+      :class:`IslandsResult` (the final global parameters, on every process).
 
     Raises:
       TypeError: a dataset without random access.
-      ValueError: a model other than the coordinator's; a bad configuration; healing
-        from a peer whose optimizer state differs in structure.
+      ValueError: a model other than the coordinator's; a bad configuration; a strategy
+        that does not span the island's processes; healing from another optimizer.
       IslandsFailed: fewer than ``min_islands`` islands for ``min_islands_timeout`` s.
 
     Example::
@@ -310,175 +211,83 @@ def train(
             train_step, state, {"x": x, "y": y}, batch_size=32, sync_every=10,
             directory="runs/islands", epochs=2)
     """
-    import optax
-
-    from distrain._src.strategy.mirrored import MirroredStrategy
-
     island, islands = _ids(island, islands)
     num_rows, take = random_access(data)
     config = IslandsConfig(
-        islands=islands,
-        sync_every=sync_every,
-        batch_size=batch_size,
-        num_rows=num_rows,
-        epochs=epochs,
-        seed=seed,
-        min_islands=min_islands,
-        death_timeout=death_timeout,
-        heartbeat_interval=heartbeat_interval,
-        start_timeout=start_timeout,
-        min_islands_timeout=min_islands_timeout,
-        mode=mode,
-        max_staleness=max_staleness,
+        islands=islands, sync_every=sync_every, batch_size=batch_size, num_rows=num_rows,
+        epochs=epochs, seed=seed, min_islands=min_islands, death_timeout=death_timeout,
+        heartbeat_interval=heartbeat_interval, start_timeout=start_timeout,
+        min_islands_timeout=min_islands_timeout, mode=mode, max_staleness=max_staleness,
         round_timeout=round_timeout,
-    )
-    strategy = strategy or MirroredStrategy()
-    _check_placement(strategy.num_replicas_in_sync, batch_size, num_rows * epochs)
-    if outer_optimizer is None and mode == "async":
-        outer_optimizer = delayed_nesterov(0.7, 0.9, delay=islands)
+    )  # fmt: skip
+    options = dict(outer_optimizer=outer_optimizer, strategy=strategy, call_timeout=call_timeout,
+                   ray_address=ray_address, on_round=on_round, heal=heal_from_peer)  # fmt: skip
+    return _run(train_step, state, take, config, island, directory, **options)
+
+
+def _run(
+    train_step: Callable[..., Any],
+    state: Any,
+    take: Take,
+    config: IslandsConfig,
+    island: int,
+    directory: str,
+    *,
+    outer_optimizer: Any,
+    strategy: Any,
+    call_timeout: float,
+    ray_address: str | None,
+    on_round: Callable[[int, Any], None] | None,
+    heal: bool,
+) -> IslandsResult:
+    """:func:`train` once its arguments are checked: the strategy, the coordinator (from
+    process 0), the link between the island's processes, then the loop."""
+    import optax
+
+    from distrain._src.islands.island_loop import host_leaves
+    from distrain._src.strategy.mirrored import MirroredStrategy
+    from distrain._src.strategy.multi_worker import MultiWorkerMirroredStrategy
+
+    if strategy is None:  # several processes: they joined with the user's (or any) one
+        several = jax.process_count() > 1
+        strategy = MultiWorkerMirroredStrategy() if several else MirroredStrategy()
+    _check_placement(strategy, config.batch_size, config.num_rows * config.epochs)
+    if outer_optimizer is None and config.mode == "async":
+        outer_optimizer = delayed_nesterov(0.7, 0.9, delay=config.islands)
     outer_optimizer = outer_optimizer or optax.sgd(0.7, momentum=0.9, nesterov=True)
-    host_params = jax.device_get(state.params)
-    leaves, treedef = jax.tree.flatten(host_params)
-    leaves = [np.asarray(x) for x in leaves]
+    treedef = jax.tree.structure(state.params)
+    leaves = host_leaves(state.params)
     structure = structure_of(leaves, str(treedef))
-    remote.connect(ray_address, islands)
-    sigterm = _SigTerm()  # after Ray's, which it replaces
+    leader, processes = jax.process_index() == 0, jax.process_count()
+    rendezvous(processes)
+    if leader:
+        remote.connect(ray_address, config.islands)
+    sigterm = SigTerm()  # after Ray's, which it replaces
     own_dir = os.path.join(directory, f"island-{island}")
-    log = _Log(own_dir)
-    joiner = Joiner(state, heal_from_peer, sync_every, log)
-    ledger = goodput.Ledger(own_dir)
+    log = Log(own_dir, write=leader)
+    joiner = Joiner(state, heal, config.sync_every, log)
+    ledger = goodput.Ledger(own_dir, write=leader)
     goodput.set_current(ledger)
-    log("start", island=island, pid=os.getpid(), process_start=goodput.process_start_time())
-
-    name = remote.actor_name(directory)
-    # Absolute: the actor resolves the path where it runs, in another working directory.
-    args = (config, leaves, str(treedef), outer_optimizer, os.path.abspath(directory))
-    coord = remote.coordinator(name, args, call_timeout)
-    log("connected")
-
-    token: list[str] = []  # the live token, read by the heartbeat thread
-    stop = threading.Event()
-
-    def beat() -> None:
-        while not stop.wait(heartbeat_interval):
-            if token:
-                try:
-                    coord("heartbeat", island, token[-1])
-                except Exception:  # a rejoin or a restart is handled by the loop
-                    pass
-
-    threading.Thread(target=beat, daemon=True, name=f"island-{island}-heartbeat").start()
-
-    def to_tree(flat: list[np.ndarray]) -> Any:
-        return jax.tree.unflatten(treedef, flat)
-
-    history: list[dict[str, Any]] = []
-    done = 0  # inner steps of this island, its earlier incarnations' applied ones included
-    first_step = True
-    placed = None
-    after = -1
+    log("start", island=island, pid=os.getpid(), processes=processes,
+        process_start=goodput.process_start_time())  # fmt: skip
+    coord = None
+    if leader:
+        # Absolute: the actor resolves the path where it runs, in another working directory.
+        args = (config, leaves, str(treedef), outer_optimizer, os.path.abspath(directory))
+        coord = remote.coordinator(remote.actor_name(directory), args, call_timeout)
+        log("connected")
+    opt_state = joiner.leaves if joiner.heal else None
+    link = Link(coord, island, leaves, opt_state, config.lease_rows, processes, jax.process_index())
+    stop = link.start_heartbeats(config.heartbeat_interval)
+    loop = IslandLoop(
+        link, strategy, train_step, take, joiner, ledger, log, batch_size=config.batch_size,
+        treedef=treedef, structure=structure, directory=directory,
+        until=call_timeout + config.min_islands_timeout, on_round=on_round,
+        processes=processes, process=jax.process_index(),
+    )  # fmt: skip
     sigterm.unwind = True
     try:
-        while True:
-            try:
-                if not token:
-                    with ledger.phase("sync"):
-                        new, done = coord.retry(
-                            lambda: coord("join", island, structure, joiner.structure, joiner.heal)
-                        )
-                    token.append(new)
-                    log("joined")
-                    # Steps of earlier incarnations whose round was not applied are lost.
-                    ledger.resumed(done)
-                    placed, after = None, -1
-                until = call_timeout + min_islands_timeout
-                with ledger.phase("sync"):
-                    r, global_leaves, finished, hang_s, donate = coord.poll(
-                        "wait_round", island, token[-1], after, until=until
-                    )
-                # Part of that barrier wait was for a peer found hung (the round deadline).
-                ledger.move(hang_s, "sync", "hang")
-                if finished:
-                    break
-                if on_round is not None:
-                    on_round(r, to_tree(global_leaves))
-                if placed is None:  # a (re)join
-                    if first_step and r:  # this process joins a run under way: say where
-                        print(f"island {island}: continuing the run in {directory} at round {r}")
-                    with ledger.phase("sync"):
-                        joined = joiner.start(
-                            coord, island, token[-1], r, to_tree(global_leaves), until
-                        )
-                    placed = strategy.put_replicated(joined)
-                else:
-                    placed = placed.replace(params=strategy.put_replicated(to_tree(global_leaves)))
-                if donate:  # a joiner waits for a trained optimizer state: this round's
-                    with ledger.phase("sync"):
-                        coord("donate", island, token[-1], r, joiner.donation(placed))
-                with ledger.phase("sync"):
-                    _positions, rows = coord.poll("lease", island, token[-1], r, until=until)
-                t0 = time.time()
-                losses = []
-                for k in range(0, len(rows), batch_size):
-                    with ledger.phase("input"):
-                        batch = strategy.distribute_batch(take(rows[k : k + batch_size]))
-                    with ledger.phase("step"):
-                        placed, metrics = strategy.run(train_step, args=(placed, batch))
-                        if first_step:
-                            jax.block_until_ready(placed)
-                            log("first_step", round=r)
-                            first_step = False
-                    if isinstance(metrics, Mapping) and "loss" in metrics:
-                        loss = metrics["loss"]  # an array per replica, or a dt.metrics sum
-                        op = "sum" if isinstance(loss, Metric) else "mean"
-                        losses.append(strategy.reduce(op, loss))
-                    done += 1
-                    ledger.progress(done)
-                with ledger.phase("step"):
-                    local = [np.asarray(x) for x in jax.tree.leaves(jax.device_get(placed.params))]
-                    loss = _round_loss(jax.device_get(losses))
-                compute = time.time() - t0
-                grads = (  # outer.pseudo_gradient's, on the host: float32 or wider
-                    [_delta(g, x) for g, x in zip(global_leaves, local, strict=True)]
-                    if len(rows)
-                    else None
-                )
-                t1 = time.time()
-                with ledger.phase("sync"):
-                    applied = coord(
-                        "submit",
-                        island,
-                        token[-1],
-                        r,
-                        grads,
-                        {"loss": loss or 0.0, "compute_s": compute},
-                    )
-                history.append(
-                    {"round": r, "rows": len(rows), "loss": loss, "compute_s": compute,
-                     "applied": applied}
-                )  # fmt: skip
-                log(
-                    "round",
-                    round=r,
-                    applied=applied,
-                    rows=len(rows),
-                    loss=loss,
-                    compute_s=compute,
-                    submit_s=time.time() - t1,
-                )
-                after = r
-            except RejoinRequired as e:
-                log("rejoin", why=str(e))
-                token.clear()
-        final = to_tree(global_leaves)
-        if on_round is not None:
-            on_round(r, final)
-        stop.set()
-        if coord("leave", island, token[-1]):  # the last island out ends the coordinator
-            coord.kill()
-        ledger.finished()
-        log("finished", rounds=len(history))
-        return IslandsResult(params=final, island=island, history=history)
+        return loop.run()
     finally:
         stop.set()
         goodput.set_current(None)

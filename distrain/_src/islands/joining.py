@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from distrain._src.islands.healing import Healing
 from distrain._src.islands.islands_config import structure_of
 
 
@@ -45,23 +46,39 @@ class Joiner:
         self.log = log
         self.heal = bool(heal) and opt_state is not None
         self.structure: str | None = None
+        self.leaves: list[np.ndarray] | None = None  # the initial state's, on the host
         if opt_state is not None:
             leaves, self.treedef = jax.tree.flatten(opt_state)
-            self.structure = structure_of([np.asarray(x) for x in leaves], str(self.treedef))
+            self.leaves = [np.asarray(x) for x in leaves]
+            self.structure = structure_of(self.leaves, str(self.treedef))
 
     def start(self, coord: Any, island: int, token: str, r: int, params: Any, until: float) -> Any:
         """The state this incarnation trains round ``r`` from (see :func:`joined_state`):
-        with healing, a live peer's optimizer state, else (no peer can give one: said in
-        one line) the initial one.
+        with healing, a live peer's optimizer state (polled from ``coord``), else (no
+        peer can give one: said in one line) the initial one.
+
+        Raises:
+          ValueError: the peer's optimizer state is unlike this island's.
+        """
+        t0 = time.time()
+        healing = coord.poll("take_state", island, token, r, until=until) if self.heal else None
+        return self.begin(healing, island, r, params, time.time() - t0)
+
+    def begin(
+        self, healing: Healing | None, island: int, r: int, params: Any, wait_s: float = 0.0
+    ) -> Any:
+        """:meth:`start` with the coordinator's answer to ``take_state`` already in hand
+        (``healing``; None without healing): an island of several processes receives it
+        from its process 0 (``island_link.Link.take_state``).
 
         Raises:
           ValueError: the peer's optimizer state is unlike this island's.
         """
         step, opt_state, donor = r * self.sync_every, None, None
-        if self.heal:
-            t0 = time.time()
-            healing = coord.poll("take_state", island, token, r, until=until)
-            if healing.donor is None and r:  # round 0: every island starts fresh
+        if healing is not None:
+            # Round 0: every island starts fresh. No reason: another process of the island
+            # (its process 0 says it).
+            if healing.donor is None and r and healing.why:
                 print(
                     f"island {island}: no live peer to heal from ({healing.why}); round {r} "
                     "starts with fresh optimizer moments, counts continued",
@@ -70,13 +87,23 @@ class Joiner:
             elif healing.donor is not None:
                 opt_state = self._unflatten(healing.leaves, island, healing.donor)
                 donor = healing.donor
-            self.log("heal", round=r, donor=donor, why=healing.why, wait_s=time.time() - t0)
+            self.log("heal", round=r, donor=donor, why=healing.why, wait_s=wait_s)
         joined = joined_state(self.initial, params, step, opt_state)
         counts = optimizer_counts(getattr(joined, "opt_state", None))
         self.log("joined_state", round=r, step=step, counts=counts, healed_from=donor)
         return joined
 
-    def _unflatten(self, leaves: list[np.ndarray], island: int, donor: int) -> Any:
+    def check(self, healing: Healing, island: int) -> None:
+        """Refuses a peer's optimizer state unlike this island's (the tree, and each
+        leaf's shape and dtype): before the island takes it, or broadcasts it.
+
+        Raises:
+          ValueError: the structures differ.
+        """
+        if healing.donor is not None and healing.leaves is not None:
+            self._unflatten(healing.leaves, island, healing.donor)
+
+    def _unflatten(self, leaves: Any, island: int, donor: int) -> Any:
         received = structure_of(leaves, str(self.treedef))
         if received != self.structure:  # the tree, and each leaf's shape and dtype
             raise ValueError(
@@ -88,10 +115,16 @@ class Joiner:
         return jax.tree.unflatten(self.treedef, leaves)
 
     @staticmethod
-    def donation(placed: Any) -> list[np.ndarray]:
+    def donation(
+        placed: Any, host: Callable[[Any], list[np.ndarray]] | None = None
+    ) -> list[np.ndarray]:
         """The inner optimizer state of ``placed`` (the island's state on its devices),
-        on the host: what a live island posts for a joiner."""
+        on the host: what a live island posts for a joiner. ``host`` copies it there
+        (``island_loop.host_leaves``: a collective when the island has several
+        processes); default ``jax.device_get``."""
         opt_state = getattr(placed, "opt_state", None)
+        if host is not None:
+            return host(opt_state)
         return [np.asarray(x) for x in jax.tree.leaves(jax.device_get(opt_state))]
 
 
