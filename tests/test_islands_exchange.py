@@ -236,3 +236,28 @@ def test_checkpoints_that_cannot_resume_are_refused_in_one_line(tmp_path):
     with pytest.raises(ValueError, match=r"exchange_shards must be None .* or >= 1\. Received: "
                        "exchange_shards=0"):  # fmt: skip
         IslandsConfig(islands=2, sync_every=1, batch_size=1, num_rows=4, exchange_shards=0)
+
+
+@pytest.mark.parametrize(
+    "optimizer, elementwise",
+    [
+        (NESTEROV, True),
+        (optax.adam(0.1), True),
+        (optax.chain(optax.clip_by_global_norm(1.0), optax.sgd(0.7)), False),  # global norm
+        (optax.lamb(0.1), False),  # a trust ratio per leaf
+        (optax.adafactor(0.1), False),  # a factored second moment (the 130 x 130 leaf)
+    ],
+    ids=["nesterov", "adam", "clip_global_norm", "lamb", "adafactor"],
+)
+def test_an_outer_optimizer_that_is_not_elementwise_is_refused_in_one_line(
+    tmp_path, optimizer, elementwise
+):
+    # A holder updates its 1-D segments alone: anything but an elementwise update would
+    # silently differ from the whole leaves' (the coordinator, and islands.train, refuse).
+    if elementwise:
+        param_shards.check_elementwise(optimizer)
+        return
+    config = IslandsConfig(islands=2, sync_every=2, batch_size=2, num_rows=22)
+    with pytest.raises(ValueError, match="must update every element from its own values"):
+        IslandCoordinator(config, PARAMS, TREEDEF, optimizer, str(tmp_path))
+    assert not os.path.exists(tmp_path / "shards")  # refused before anything was written

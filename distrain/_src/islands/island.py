@@ -245,6 +245,7 @@ def _run(
     import optax
 
     from distrain._src.islands.island_loop import host_leaves
+    from distrain._src.islands.param_shards import check_elementwise
     from distrain._src.strategy.mirrored import MirroredStrategy
     from distrain._src.strategy.multi_worker import MultiWorkerMirroredStrategy
 
@@ -255,6 +256,7 @@ def _run(
     if outer_optimizer is None and config.mode == "async":
         outer_optimizer = delayed_nesterov(0.7, 0.9, delay=config.islands)
     outer_optimizer = outer_optimizer or optax.sgd(0.7, momentum=0.9, nesterov=True)
+    check_elementwise(outer_optimizer)  # here, before the coordinator: one line, at once
     treedef = jax.tree.structure(state.params)
     leaves = host_leaves(state.params)
     structure = structure_of(leaves, str(treedef))

@@ -98,6 +98,53 @@ def join(shards: Sequence[Sequence[np.ndarray]], segments: Sequence[Sequence[Seg
     return [f.reshape(s.shape) for f, s in zip(flat, specs, strict=True)]
 
 
+def check_elementwise(outer_optimizer: Any) -> None:
+    """Refuses an outer optimizer whose update of an element depends on other elements
+    (a global-norm clip, a per-leaf trust ratio, a factored second moment): a holder
+    updates its 1-D segments alone, so such an optimizer would silently compute another
+    update than on the whole leaves. Probed: two steps on a 130 x 130 and a 7-element
+    leaf (large enough to factor, gradients large enough to clip), whole against cut into
+    three shards.
+
+    Raises:
+      ValueError: the shards' update differs from the whole leaves'.
+
+    Example:
+      >>> import optax
+      >>> check_elementwise(optax.adam(0.1))  # elementwise: accepted
+    """
+    import jax.numpy as jnp
+
+    from distrain._src.islands.outer_step import outer_update
+
+    rng = np.random.default_rng(0)
+    shapes = [(130, 130), (7,)]
+    leaves = [rng.standard_normal(s).astype(np.float32) for s in shapes]
+    grads = [100 * rng.standard_normal(s).astype(np.float32) for s in shapes]
+
+    def two_steps(params: list[np.ndarray], pseudo: list[np.ndarray]) -> list[np.ndarray]:
+        params = [jnp.asarray(p) for p in params]
+        state = outer_optimizer.init(params)
+        for _ in range(2):
+            params, state = outer_update(outer_optimizer, params, state, pseudo)
+        return [np.asarray(p) for p in params]
+
+    whole = two_steps(leaves, [jnp.asarray(g) for g in grads])
+    cut = plan(shapes, 3)
+    parts = [two_steps(split(leaves, segs), [jnp.asarray(g) for g in split(grads, segs)])
+             for segs in cut]  # fmt: skip
+    joined = join(parts, cut, specs_of(leaves))
+    if not all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(whole, joined, strict=True)):
+        raise ValueError(
+            "fault-isolated islands update the global parameters in shards, each a 1-D "
+            "segment of the flattened parameters, so the outer optimizer must update every "
+            "element from its own values alone (SGD, Nesterov, Adam, delayed_nesterov); "
+            "received one whose update of the segments differs from the whole leaves' (a "
+            "global-norm clip, a per-leaf trust ratio or a factored moment). Use another "
+            "outer optimizer, or DiLoCoStrategy, which updates whole leaves."
+        )
+
+
 def shard_path(directory: str, round_: int, index: int, shards: int) -> str:
     return os.path.join(
         directory, "shards", f"round-{round_:07d}", f"shard-{index}-of-{shards}.npz"
@@ -337,7 +384,12 @@ class LocalHolders:
     @classmethod
     def of(cls, directory: str, params: Sequence[np.ndarray], shards: int,
            outer_optimizer: Any) -> LocalHolders:  # fmt: skip
-        """``shards`` holders of ``params`` (their initial values)."""
+        """``shards`` holders of ``params`` (their initial values).
+
+        Raises:
+          ValueError: ``outer_optimizer`` is not elementwise (:func:`check_elementwise`).
+        """
+        check_elementwise(outer_optimizer)
         cut = plan([np.shape(p) for p in params], shards)
         return cls([ShardHolder(directory, k, shards, split(params, segments), outer_optimizer)
                     for k, segments in enumerate(cut)])  # fmt: skip
