@@ -122,17 +122,16 @@ def check_elementwise(outer_optimizer: Any) -> None:
     leaves = [rng.standard_normal(s).astype(np.float32) for s in shapes]
     grads = [100 * rng.standard_normal(s).astype(np.float32) for s in shapes]
 
-    def two_steps(params: list[np.ndarray], pseudo: list[np.ndarray]) -> list[np.ndarray]:
-        params = [jnp.asarray(p) for p in params]
+    def two_steps(values: list[np.ndarray], pseudo: list[np.ndarray]) -> list[np.ndarray]:
+        params: Any = [jnp.asarray(p) for p in values]
         state = outer_optimizer.init(params)
         for _ in range(2):
             params, state = outer_update(outer_optimizer, params, state, pseudo)
         return [np.asarray(p) for p in params]
 
-    whole = two_steps(leaves, [jnp.asarray(g) for g in grads])
+    whole = two_steps(leaves, grads)
     cut = plan(shapes, 3)
-    parts = [two_steps(split(leaves, segs), [jnp.asarray(g) for g in split(grads, segs)])
-             for segs in cut]  # fmt: skip
+    parts = [two_steps(split(leaves, segs), split(grads, segs)) for segs in cut]
     joined = join(parts, cut, specs_of(leaves))
     if not all(np.allclose(a, b, rtol=1e-5, atol=1e-6) for a, b in zip(whole, joined, strict=True)):
         raise ValueError(
