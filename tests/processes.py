@@ -44,3 +44,17 @@ def run_together(jobs, timeout: float) -> list[tuple[int, str, float]]:
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+def stop_launcher(proc: subprocess.Popen, grace: float = 60.0) -> None:
+    """Stops a `distrain launch` still running (a test that failed or timed out): SIGTERM
+    first, on which it stops its processes and its Ray head; a SIGKILL of its process
+    group alone would leave the Ray head running, in a session of its own, loading the
+    machine for every later test. SIGKILL after ``grace`` seconds."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

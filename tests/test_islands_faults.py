@@ -32,6 +32,7 @@ from distrain._src.islands.island_coordinator import (
     committed_rows,
 )
 from distrain._src.islands.rows import RowLedger
+from tests.processes import stop_launcher
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "tests" / "scripts" / "islands_train.py"
@@ -477,9 +478,7 @@ def _run_with_kills(run, plan, extra=(), rows=2048, epochs=2):
             time.sleep(0.05)
         code = proc.wait(timeout=max(1, deadline - time.time()))
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_launcher(proc)
     return code, "".join(out), plan
 
 
@@ -802,9 +801,7 @@ def test_sigterm_to_the_launcher_stops_every_island_and_the_ray_head(tmp_path):
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=40)  # < --grace-period: no island was SIGKILLed
     finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        stop_launcher(proc)
     assert proc.returncode == 130 and "interrupted; all islands stopped" in out, out[-3000:]
     assert f"island 0 process 0 is pid {pids[0]}" in out  # to `kill -9` one by hand
     for noise in ("killed by", "SIGTERM received", "Connecting to existing Ray cluster"):

@@ -40,18 +40,6 @@ def _env(run):
     return env
 
 
-def _stop(proc):
-    """Stops a launcher still running: SIGTERM first, on which it stops its islands and
-    its Ray head (a SIGKILL would leave them running, in sessions of their own)."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-
-
 def _island_pids(out, island):
     """The pids of ``island``'s latest attempt, from the launcher's lines."""
     found = re.findall(rf"\[launch\] island {island} (process 0 is pid \d+.*)", "".join(out))
@@ -66,6 +54,7 @@ def test_an_island_of_two_processes_survives_sigkills_of_either_process(tmp_path
     (its rounds go on while island 1 is down); every row is committed exactly once; both
     islands end with the same parameters, on every process."""
     from distrain._src.islands.island_coordinator import committed_rows
+    from tests.processes import stop_launcher  # here: this file is also the island program
 
     run = tmp_path / "run"
     rows = 3072
@@ -94,7 +83,7 @@ def test_an_island_of_two_processes_survives_sigkills_of_either_process(tmp_path
             time.sleep(0.05)
         code = proc.wait(timeout=max(1, deadline - time.time()))
     finally:
-        _stop(proc)
+        stop_launcher(proc)
     log = "".join(out)
     assert code == 0 and not plan, log[-4000:]
     for k in (1, 0):
