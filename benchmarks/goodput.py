@@ -202,6 +202,7 @@ def _run_arm(args: argparse.Namespace, overrides: list[str], arm: str) -> dict:
         "buckets_s": r.buckets_s,
         "buckets_sum_vs_measured": sum(r.buckets_s.values()) / wall,
         "goodput": r.goodput,
+        "step_fraction_while_killing": _step_fraction(work, began, kills, args.kill_every),
         "failures": r.failures,
         "lost_steps_per_failure": list(r.lost_steps_per_failure),
         "save_stall_fraction": r.buckets_s["checkpoint"] / r.wall_s,
@@ -336,6 +337,22 @@ def _to_first_step(attempts: list, signals: list[float]) -> list[float | None]:
         )
         out.append(None if first is None else round(first - t, 2))
     return out
+
+
+def _step_fraction(work: Path, began: float, kills: list[float], every: float) -> float | None:
+    """The share of the wall time in steps while the kills came (from the start to one
+    ``every`` past the last kill; None without kills): the goodput of a run that fails
+    every ``every`` seconds throughout, an upper bound (lost steps count as steps). Read
+    from the ledger's ticks: each attempt's last ``step`` bucket inside the window."""
+    if not kills:
+        return None
+    end = began + min(kills[-1] + every, time.time() - began)
+    last: dict[str, float] = {}
+    for line in (work / "goodput.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if rec.get("event") == "tick" and rec["t"] <= end:
+            last[rec["attempt"]] = rec["buckets"]["step"]
+    return round(sum(last.values()) / (end - began), 4)
 
 
 def _mean(xs: list[float]) -> float | None:

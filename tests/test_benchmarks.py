@@ -377,6 +377,7 @@ def test_goodput_toy_resumes_from_the_local_tier(tmp_path):
     assert r["restore_s_by_tier"].keys() <= {"local", "peer"}
     assert 0 <= r["lost_steps_per_failure"][0] <= r["local_freq"]
     assert abs(r["buckets_sum_vs_measured"] - 1) < 0.15  # the launcher's own start and exit
+    assert 0 < r["step_fraction_while_killing"] < 1
     assert (tmp_path / "goodput.png").exists()
 
 
