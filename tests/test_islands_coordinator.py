@@ -163,7 +163,7 @@ def test_a_torn_newest_checkpoint_falls_back_to_the_previous_one(tmp_path):
     for r in range(2):  # two rounds: checkpoints round-1 and round-2
         for i in (0, 1):
             coord.wait_round(i, tokens[i], r - 1, timeout=5)
-            coord.lease(i, tokens[i], r)
+            assert coord.lease(i, tokens[i], r, timeout=10) is not None  # (2 s: short, loaded)
         for i in (0, 1):
             coord.submit(i, tokens[i], r, _grads(1.0))
         after_one = coord.params()[0] if r == 0 else after_one  # (the state of round 1)
