@@ -689,7 +689,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     defaults = (
         {"islands": 2, "seeds": "0,1", "batch": 16, "sync_every": 4, "epochs": 2,
          "rows": None, "eval_every": 60, "eval_rows": 64, "kill_after": 1,
-         "arm_timeout": 150.0, "heal_seeds": ""}
+         "arm_timeout": 240.0, "heal_seeds": ""}
         if args.toy else
         {"islands": 4, "seeds": "0,1,2", "batch": 16, "sync_every": 20, "epochs": 3,
          "rows": None, "eval_every": 4, "eval_rows": 512, "kill_after": 3,

@@ -180,12 +180,14 @@ def test_cnn_pool_forms_train_the_same_maths():
             np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-7)
 
 
-def _run_script(module: str, args: list[str], out: Path, env: dict | None = None):
-    """Runs ``python -m module *args --json out`` from the repository root (4 minutes at
-    most); returns its JSON and what it printed."""
+def _run_script(
+    module: str, args: list[str], out: Path, env: dict | None = None, timeout: float = 240
+):
+    """Runs ``python -m module *args --json out`` from the repository root (``timeout``
+    seconds at most); returns its JSON and what it printed."""
     proc = subprocess.run(
         [sys.executable, "-m", module, *args, "--json", str(out)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=240,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout,
     )  # fmt: skip
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
     return json.loads(out.read_text()), proc.stdout
@@ -306,10 +308,12 @@ def test_islands_faults_toy_runs(tmp_path):
     """benchmarks/islands_faults.py --toy: 2 fault-isolated islands under `distrain launch
     --islands`, island 1 SIGKILLed twice mid-round: every row committed once, both kills
     rejoined, and the held-out losses of the arms."""
-    # One unkilled seed (the toy's default is two): each arm starts a Ray head and its
-    # islands, and the test stays under two minutes.
+    # One unkilled seed (the toy's default is two). Three arms, each a Ray head and its
+    # islands: 161 s alone on a quiet 2-core machine, over 240 s beside the rest of the
+    # suite in CI; the bound is for a hang, not for speed.
     args = ["--toy", "--seeds", "0", "--data", str(_some_text(tmp_path))]
-    result, _ = _run_script("benchmarks.islands_faults", args, tmp_path / "faults.json")
+    out = tmp_path / "faults.json"
+    result, _ = _run_script("benchmarks.islands_faults", args, out, timeout=540)
     killed = next(a for a in result["arms"] if a["killed"])
     assert killed["exit"] == 0 and killed["rows_committed"] == killed["rows_total"] > 0
     assert (killed["rows_lost"], killed["rows_duplicated"]) == (0, 0)
