@@ -121,3 +121,17 @@ def pytest_configure(config: pytest.Config) -> None:
     # module is an error that stops pytest (seen on a machine without MLflow).
     if importlib.util.find_spec("sqlalchemy") is not None:
         config.addinivalue_line("filterwarnings", "ignore::sqlalchemy.exc.SADeprecationWarning")
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """A local Ray cluster for the module's tests (the islands' coordinator actors)."""
+    import ray
+
+    from distrain._src.ps.ray_backend import connect
+
+    assert connect(None), "Ray was already running; this module starts its own"
+    try:
+        yield ray
+    finally:
+        ray.shutdown()

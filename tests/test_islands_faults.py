@@ -588,19 +588,6 @@ def test_async_islands_survive_a_sigkill_with_every_row_once(tmp_path):
     np.testing.assert_allclose(result["w"], result["w_true"], atol=0.05)
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    from distrain._src.ps.ray_backend import connect
-
-    assert connect(None), "Ray was already running; this module starts its own"
-    try:
-        yield ray
-    finally:
-        ray.shutdown()
-
-
 @pytest.mark.one_end("newest")  # a local Ray and two actors: see tests/conftest.py
 def test_a_run_directory_the_actor_resolves_elsewhere_is_refused_in_one_line(
     local_ray, tmp_path, monkeypatch

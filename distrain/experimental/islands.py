@@ -5,10 +5,12 @@ Each island is its own process group (``--nproc-per-island`` processes); a Ray a
 shard holder per island holds its share of the global parameters and of the outer
 optimizer. Start them with ``distrain launch --islands N -- python train.py``, where
 ``train.py`` calls
-:func:`train` (``docs/islands.md``, "Fault-isolated islands").
+:func:`train`, or ``dt.Trainer(..., islands=FaultIsolation(...)).fit(...)``
+(``docs/islands.md``, "Fault-isolated islands", "Through the Trainer").
 """
 
 from distrain._src.islands.delayed_nesterov import delayed_nesterov as delayed_nesterov
+from distrain._src.islands.island import FaultIsolation as FaultIsolation
 from distrain._src.islands.island import IslandsResult as IslandsResult
 from distrain._src.islands.island import random_access as random_access
 from distrain._src.islands.island import train as train
@@ -20,6 +22,7 @@ from distrain._src.islands.island_coordinator import committed_rows as committed
 from distrain._src.islands.rows import RowLedger as RowLedger
 
 __all__ = [
+    "FaultIsolation",
     "IslandCoordinator",
     "IslandsConfig",
     "IslandsFailed",

@@ -19,6 +19,7 @@ learning-rate schedules continue where its peers are (``joining.py``).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -31,11 +32,18 @@ from distrain._src.goodput import ledger as goodput
 from distrain._src.islands import remote
 from distrain._src.islands.island_coordinator import IslandsConfig, structure_of
 from distrain._src.islands.island_link import Link, rendezvous
-from distrain._src.islands.island_loop import IslandLoop, IslandsResult, Log, SigTerm, Take
+from distrain._src.islands.island_loop import (
+    IslandLoop,
+    IslandsResult,
+    Log,
+    RoundHooks,
+    SigTerm,
+    Take,
+)
 from distrain._src.islands.joining import Joiner
 from distrain._src.islands.outer import delayed_nesterov
 
-__all__ = ["IslandsResult", "random_access", "train"]
+__all__ = ["FaultIsolation", "IslandsResult", "random_access", "train"]
 
 
 def random_access(data: Any) -> tuple[int, Take]:
@@ -211,18 +219,93 @@ def train(
             train_step, state, {"x": x, "y": y}, batch_size=32, sync_every=10,
             directory="runs/islands", epochs=2)
     """
-    island, islands = _ids(island, islands)
-    num_rows, take = random_access(data)
-    config = IslandsConfig(
-        islands=islands, sync_every=sync_every, batch_size=batch_size, num_rows=num_rows,
-        epochs=epochs, seed=seed, min_islands=min_islands, death_timeout=death_timeout,
+    options = FaultIsolation(
+        sync_every=sync_every, directory=directory, batch_size=batch_size, seed=seed,
+        outer_optimizer=outer_optimizer, min_islands=min_islands, death_timeout=death_timeout,
         heartbeat_interval=heartbeat_interval, start_timeout=start_timeout,
         min_islands_timeout=min_islands_timeout, mode=mode, max_staleness=max_staleness,
-        round_timeout=round_timeout,
+        round_timeout=round_timeout, call_timeout=call_timeout, ray_address=ray_address,
+        heal_from_peer=heal_from_peer, island=island, islands=islands,
     )  # fmt: skip
-    options = dict(outer_optimizer=outer_optimizer, strategy=strategy, call_timeout=call_timeout,
-                   ray_address=ray_address, on_round=on_round, heal=heal_from_peer)  # fmt: skip
-    return _run(train_step, state, take, config, island, directory, **options)
+    return options.run(train_step, state, data, epochs=epochs, strategy=strategy,
+                       on_round=on_round)  # fmt: skip
+
+
+@dataclasses.dataclass(frozen=True)
+class FaultIsolation:
+    """Fault-isolated islands for ``dt.Trainer``: each island (a ``distrain launch
+    --islands N`` process group) trains with the Trainer's strategy, step and callbacks,
+    and syncs with the others every ``sync_every`` steps through the run's coordinator.
+
+    The fields are :func:`train`'s arguments of the same names; ``batch_size`` defaults
+    to the data's ``global_batch_size`` (a ``dt.data.ArrayPipeline``). In ``fit`` a
+    callback's epoch is a round (``docs/islands.md``, "Through the Trainer").
+
+    Example::
+
+        trainer = dt.Trainer(strategy, train_step, eval_step, callbacks=[...],
+                             islands=dt.experimental.islands.FaultIsolation(
+                                 sync_every=10, directory="runs/islands"))
+        state, history = trainer.fit(state, pipeline, epochs=2, validation_data=val)
+    """
+
+    sync_every: int
+    directory: str
+    batch_size: int | None = None
+    seed: int | None = 0
+    outer_optimizer: Any = None
+    min_islands: int = 1
+    death_timeout: float = 10.0
+    heartbeat_interval: float = 1.0
+    start_timeout: float = 120.0
+    min_islands_timeout: float = 300.0
+    mode: str = "sync"
+    max_staleness: int | None = None
+    round_timeout: float | None = None
+    call_timeout: float = 120.0
+    ray_address: str | None = None
+    heal_from_peer: bool = True
+    island: int | None = None
+    islands: int | None = None
+
+    def ids(self) -> tuple[int, int]:
+        """``(island, islands)``: as given, else from ``distrain launch --islands``."""
+        return _ids(self.island, self.islands)
+
+    def run(
+        self,
+        train_step: Callable[..., Any],
+        state: Any,
+        data: Any,
+        *,
+        epochs: int = 1,
+        strategy: Any = None,
+        on_round: Callable[[int, Any], None] | None = None,
+        hooks: RoundHooks | None = None,
+        joiner_state: Any = None,
+    ) -> IslandsResult:
+        """Trains this island (:func:`train`); ``hooks`` hear of every round and step,
+        and ``joiner_state`` (default ``state``) is the state the island (re)joins with
+        when no live peer heals it (e.g. its own backup)."""
+        island, islands = self.ids()
+        num_rows, take = random_access(data)
+        batch_size = self.batch_size or getattr(data, "global_batch_size", None)
+        if batch_size is None:
+            raise ValueError(
+                "fault-isolated islands need the rows of one inner step: pass "
+                "FaultIsolation(batch_size=...) or a dt.data.ArrayPipeline (its "
+                f"global_batch_size). Received: {type(data).__name__} and batch_size=None."
+            )
+        # The coordinator's options are this object's fields of the same names.
+        shared = {f.name for f in dataclasses.fields(IslandsConfig)} & set(vars(self))
+        shared -= {"islands", "batch_size"}  # this run's: from the launcher and the data
+        config = IslandsConfig(islands=islands, batch_size=batch_size, num_rows=num_rows,
+                               epochs=epochs, **{k: getattr(self, k) for k in shared})  # fmt: skip
+        options = dict(outer_optimizer=self.outer_optimizer, strategy=strategy,
+                       call_timeout=self.call_timeout, ray_address=self.ray_address,
+                       on_round=on_round, heal=self.heal_from_peer, hooks=hooks or RoundHooks(),
+                       joiner_state=state if joiner_state is None else joiner_state)  # fmt: skip
+        return _run(train_step, state, take, config, island, self.directory, **options)
 
 
 def _run(
@@ -239,6 +322,8 @@ def _run(
     ray_address: str | None,
     on_round: Callable[[int, Any], None] | None,
     heal: bool,
+    hooks: RoundHooks,
+    joiner_state: Any,
 ) -> IslandsResult:
     """:func:`train` once its arguments are checked: the strategy, the coordinator (from
     process 0), the link between the island's processes, then the loop."""
@@ -267,7 +352,7 @@ def _run(
     sigterm = SigTerm()  # after Ray's, which it replaces
     own_dir = os.path.join(directory, f"island-{island}")
     log = Log(own_dir, write=leader)
-    joiner = Joiner(state, heal, config.sync_every, log)
+    joiner = Joiner(joiner_state, heal, config.sync_every, log)
     ledger = goodput.Ledger(own_dir, write=leader)
     goodput.set_current(ledger)
     log("start", island=island, pid=os.getpid(), processes=processes,
@@ -284,7 +369,7 @@ def _run(
     loop = IslandLoop(
         link, strategy, train_step, take, joiner, ledger, log, batch_size=config.batch_size,
         treedef=treedef, structure=structure, directory=directory,
-        until=call_timeout + config.min_islands_timeout, on_round=on_round,
+        until=call_timeout + config.min_islands_timeout, on_round=on_round, hooks=hooks,
         processes=processes, process=jax.process_index(),
     )  # fmt: skip
     sigterm.unwind = True

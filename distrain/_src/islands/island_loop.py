@@ -36,6 +36,20 @@ from distrain._src.train.metrics import Metric
 Take = Callable[[np.ndarray], Any]
 
 
+class RoundHooks:
+    """What a caller of the loop (``dt.Trainer``'s islands ``fit``: its callbacks) is
+    told, on every process of the island; the methods here do nothing."""
+
+    def begin(self, r: int, params: Any) -> None:
+        """Round ``r`` is about to train from the global ``params`` (a tree of arrays)."""
+
+    def step(self, r: int, index: int, state: Any) -> None:
+        """Inner step ``index`` (from 0) of round ``r`` returned ``state``."""
+
+    def end(self, r: int, entry: dict[str, Any]) -> None:
+        """Round ``r`` was submitted; ``entry`` is its line of ``IslandsResult.history``."""
+
+
 @dataclasses.dataclass(frozen=True)
 class IslandsResult:
     """What :func:`island.train` returns on every process of every island.
@@ -174,6 +188,7 @@ class IslandLoop:
     directory: str
     until: float  # how long a polled call may go unanswered
     on_round: Callable[[int, Any], None] | None = None
+    hooks: RoundHooks = dataclasses.field(default_factory=RoundHooks)
     processes: int = 1
     process: int = 0
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
@@ -207,6 +222,7 @@ class IslandLoop:
                     break
                 if self.on_round is not None:
                     self.on_round(r, self.to_tree(leaves))
+                self.hooks.begin(r, self.to_tree(leaves))
                 self.start(r, leaves, donate)
                 self.round(r, leaves)
                 after = r
@@ -268,6 +284,7 @@ class IslandLoop:
                 losses.append(self.strategy.reduce(op, loss))
             self.done += 1
             self.ledger.progress(self.done)
+            self.hooks.step(r, k // self.batch_size, self.placed)
         return losses
 
     def round(self, r: int, global_leaves: list[np.ndarray]) -> None:
@@ -290,11 +307,12 @@ class IslandLoop:
         t1 = time.time()
         with self.ledger.phase("sync"):
             applied = self.link.submit(r, grads, {"loss": loss or 0.0, "compute_s": compute})
-        self.history.append(
-            {"round": r, "rows": len(rows), "loss": loss, "compute_s": compute, "applied": applied}
-        )
+        entry = {"round": r, "rows": len(rows), "loss": loss, "compute_s": compute,
+                 "applied": applied}  # fmt: skip
+        self.history.append(entry)
         self.log("round", round=r, applied=applied, rows=len(rows), loss=loss,
                  compute_s=compute, submit_s=time.time() - t1)  # fmt: skip
+        self.hooks.end(r, entry)
 
     def to_loss(self, value: Any) -> Any:
         """A reduced loss on the host (a replicated array, or a ``dt.metrics`` sum)."""

@@ -15,8 +15,9 @@ YAML values and checked the same way.
 This module holds the top of the schema (:class:`RunConfig`) and reads configs (files,
 overrides, plain data); the sections are in ``strategy_config.py`` (``strategy``),
 ``training_config.py`` (``model``, ``data``, ``optimizer``, ``train``) and
-``outputs_config.py`` (``logging``, ``checkpoint``, ``evaluator``), and the errors'
-wording in ``config_errors.py``.
+``outputs_config.py`` (``logging``, ``checkpoint``, ``evaluator``),
+``fault_isolation_config.py`` (``fault_isolation``), and the errors' wording in
+``config_errors.py``.
 
 Example:
   >>> cfg = load_config("configs/quickstart.yaml", overrides=["train.epochs=2"])
@@ -36,6 +37,7 @@ from pydantic import Field
 
 from distrain._src.train.config_errors import ConfigError, is_section, translate, unknown_key
 from distrain._src.train.config_section import ConfigSection
+from distrain._src.train.fault_isolation_config import FaultIsolationConfig
 from distrain._src.train.outputs_config import (
     CheckpointConfig,
     EvaluatorConfig,
@@ -56,6 +58,7 @@ __all__ = [
     "CheckpointConfig",
     "DataConfig",
     "EvaluatorConfig",
+    "FaultIsolationConfig",
     "LoggingConfig",
     "MLflowConfig",
     "ModelConfig",
@@ -104,11 +107,23 @@ class RunConfig(ConfigSection):
     logging: LoggingConfig = LoggingConfig()
     checkpoint: CheckpointConfig = CheckpointConfig()
     evaluator: EvaluatorConfig = EvaluatorConfig()
+    fault_isolation: FaultIsolationConfig | None = None
 
     @pydantic.field_validator(*_SECTIONS, mode="before")
     @classmethod
     def _empty_section_is_defaults(cls, value: Any) -> Any:
         return {} if value is None else value  # `logging:` with nothing under it
+
+    @pydantic.model_validator(mode="after")
+    def _one_kind_of_islands(self) -> RunConfig:
+        if self.fault_isolation is not None and self.strategy.name == "diloco":
+            raise ConfigError(
+                "fault_isolation (islands in separate processes, under distrain launch "
+                "--islands N) and strategy.name=diloco (islands inside one program) are two "
+                "ways to train islands; received both. Keep one: for fault_isolation, "
+                "strategy names what runs inside each island (e.g. mirrored)."
+            )
+        return self
 
     @pydantic.model_validator(mode="after")
     def _warmup_fits_the_run(self) -> RunConfig:

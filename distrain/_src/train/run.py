@@ -117,8 +117,9 @@ def _callbacks(cfg: RunConfig, progress_bar: bool) -> list[Any]:
             out.append(logging.CSVLogger(os.path.join(log_dir, "epochs.csv")))
         if cfg.logging.jsonl:
             out.append(logging.JSONLinesLogger(os.path.join(log_dir, "metrics.jsonl")))
-    if log_dir is not None and cfg.logging.goodput:
-        # The run is finished once its final evaluation is: run_config says when.
+    if log_dir is not None and cfg.logging.goodput and cfg.fault_isolation is None:
+        # The run is finished once its final evaluation is: run_config says when. (Islands
+        # keep a ledger of their own, in fault_isolation.directory/island-I.)
         out.append(
             goodput.Goodput(log_dir, interval=cfg.logging.goodput_interval, finish_with_fit=False)
         )
@@ -240,6 +241,10 @@ def run_config(
 
     start = time.perf_counter()
     strategy = build_strategy(cfg.strategy)
+    islands = None
+    if cfg.fault_isolation is not None:
+        islands = cfg.fault_isolation.build(cfg.seed if cfg.data.shuffle else None)
+        cfg = _island_directories(cfg, islands.ids()[0])
     chief = strategy.is_chief
     say = print_fn if (print_fn is not None and chief) else (lambda _msg: None)
     say(f"distrain train: {cfg.name} on {strategy!r} ({jax.devices()[0].platform})")
@@ -267,6 +272,7 @@ def run_config(
         steps_per_execution=cfg.train.steps_per_execution,
         log_every=cfg.train.log_every,
         grad_accum_steps=cfg.train.grad_accum_steps,
+        islands=islands,
     )
     try:
         state, history = trainer.fit(
@@ -297,6 +303,21 @@ def run_config(
         ran += f", resumed at step {loop.initial_step}, now at {loop.global_step}"
     say(f"time: {seconds:.1f} s ({ran})")
     return RunResult(state, history, test_metrics, seconds)
+
+
+def _island_directories(cfg: RunConfig, island: int) -> RunConfig:
+    """``cfg`` with each of its logging and checkpoint directories in an ``island-I``
+    subdirectory: every island writes its own logs, backups and checkpoints."""
+
+    def own(path: str | None) -> str | None:
+        return None if path is None else os.path.join(path, f"island-{island}")
+
+    ck, lg = cfg.checkpoint, cfg.logging
+    checkpoint = ck.model_copy(
+        update={k: own(getattr(ck, k)) for k in ("dir", "backup_dir", "local_dir")}
+    )
+    logging = lg.model_copy(update={"dir": own(lg.dir)})
+    return cfg.model_copy(update={"checkpoint": checkpoint, "logging": logging})
 
 
 def _model_and_state(

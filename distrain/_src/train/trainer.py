@@ -43,7 +43,7 @@ from distrain._src.goodput.ledger import settle_steps
 from distrain._src.padding import MASK_KEY
 from distrain._src.strategy.base import Strategy
 from distrain._src.train import _functions as F
-from distrain._src.train import _inference, _input
+from distrain._src.train import _inference, _input, islands_fit
 from distrain._src.train._steps import Steps
 from distrain._src.train.accumulation import accumulate_gradients
 from distrain._src.train.callbacks.base import Callback, CallbackList, StepInfo
@@ -55,29 +55,10 @@ from distrain._src.train.progress_record import (
     restore_loop,
     warn_unless_resuming_callback,
 )
+from distrain._src.train.trainer_args import check_islands, check_strategy
 from distrain._src.validate import non_negative_int, optional_positive_int, positive_int
 
 __all__ = ["DataEndedError", "Trainer"]
-
-
-def _check_strategy(strategy: Any) -> Strategy:
-    if isinstance(strategy, Strategy):
-        return strategy
-    from distrain._src.ps.ps_strategy import ParameterServerStrategy
-
-    if isinstance(strategy, ParameterServerStrategy):
-        raise TypeError(
-            "The Trainer runs synchronous strategies; ParameterServerStrategy trains "
-            "asynchronously through a coordinator: "
-            "`coordinator = dt.experimental.coordinator.ClusterCoordinator(strategy)`, then "
-            "`coordinator.schedule(step, args=(...))` and `coordinator.join()` "
-            "(docs/parameter_server.md). For the Trainer use dt.MirroredStrategy() or "
-            "dt.MultiWorkerMirroredStrategy()."
-        )
-    raise TypeError(
-        "`strategy` must be a distrain strategy (a dt.Strategy such as dt.MirroredStrategy()). "
-        f"Received: {strategy!r}."
-    )
 
 
 class Trainer:
@@ -113,6 +94,10 @@ class Trainer:
         copy of it per step. ``fit`` copies the state you pass in once, so your arrays
         stay valid; a callback that keeps ``trainer.state`` for later must keep
         ``trainer.state_snapshot()`` instead.
+      islands: ``dt.experimental.islands.FaultIsolation(...)``: ``fit`` trains this
+        process's island of a fault-isolated run (``distrain launch --islands N``) with
+        ``strategy`` inside the island; a callback's epoch is then a round
+        (``docs/islands.md``, "Through the Trainer").
 
     Attributes:
       loop: where ``fit`` is, a ``dt.callbacks.LoopState`` (epoch, global step, history,
@@ -147,8 +132,10 @@ class Trainer:
         donate_state: bool = True,
         grad_accum_steps: int = 1,
         input_mode: str = "auto",
+        islands: Any = None,
     ) -> None:
-        self.strategy = _check_strategy(strategy if strategy is not None else get_strategy())
+        self.strategy = check_strategy(strategy if strategy is not None else get_strategy())
+        self.islands = check_islands(islands)
         for name, fn in (
             ("train_step", train_step),
             ("eval_step", eval_step),
@@ -241,12 +228,13 @@ class Trainer:
           progress: what :meth:`progress` returned when the checkpoint was saved.
           data_state: what :meth:`data_state` returned then.
         """
-        if not self.loop.in_fit or self._passes is None or self._cbs is None:
+        if not self.loop.in_fit or self._cbs is None:
             raise RuntimeError("`Trainer.resume` can only be called during fit (on_train_begin).")
         warn_unless_resuming_callback(self._cbs)
         self.state = state
         self._resumed_sums = restore_loop(self.loop, progress)
-        self._passes.restore(data_state, self.loop.step_in_epoch)
+        if self._passes is not None:  # islands: the coordinator hands out the rows
+            self._passes.restore(data_state, self.loop.step_in_epoch)
         self._cbs.load_state_dicts(progress.get("callbacks") or {})
 
     # ------------------------------------------------------------------- fit
@@ -306,6 +294,10 @@ class Trainer:
         if epochs is None and steps is None:
             epochs = 1
         self._reset_progress()
+        if self.islands is not None:  # train/islands_fit.py
+            more = dict(steps=steps, steps_per_epoch=steps_per_epoch, initial_epoch=initial_epoch)
+            val = (validation_data, validation_freq, validation_steps)
+            return islands_fit.fit_islands(self, state, data, epochs, more, val, callbacks)
         route = self._input = _input.for_fit(self.strategy, data, self._input_mode, self._step_fn)
         self.loop.epochs, self.loop.steps = epochs, steps
         self.loop.steps_per_epoch = (
@@ -322,14 +314,9 @@ class Trainer:
         self._passes = PassIterator(route.batches, self.loop.steps_per_epoch)
         cbs = self._cbs = CallbackList([*self.callbacks, *callbacks], self)
         cbs.check_state_keys()
-        self._steps = Steps(
-            self.strategy,
-            route.step_fn,
-            k=self._k,
-            auto=self._auto_k,
-            donate=self._donate,
-            warn_not_finite=not any(isinstance(cb, TerminateOnNaN) for cb in cbs),
-        )
+        nan_watched = any(isinstance(cb, TerminateOnNaN) for cb in cbs)
+        self._steps = Steps(self.strategy, route.step_fn, k=self._k, auto=self._auto_k,
+                            donate=self._donate, warn_not_finite=not nan_watched)  # fmt: skip
         self.loop.in_fit = True
         try:
             cbs.call("on_train_begin", None)
