@@ -138,12 +138,14 @@ def worker(args: argparse.Namespace) -> None:
     directory = Path(args.worker)
     snapshots = directory / "snapshots"
     last: list[int] = []
+    # Island 0's process 0 writes (each process of the island has the same parameters).
+    writer = island == 0 and jax.process_index() == 0
 
     def on_round(r: int, params: Any) -> None:
         """Island 0: the global parameters every ``eval_every`` rounds; the final call
         (every row committed) comes last and is saved after ``train`` returns."""
         last[:] = [r]
-        if island == 0 and r % args.eval_every == 0:
+        if writer and r % args.eval_every == 0:
             _snapshot(snapshots, r, params)
 
     result = dt.experimental.islands.train(
@@ -163,7 +165,7 @@ def worker(args: argparse.Namespace) -> None:
         heal_from_peer=args.heal,
         strategy=strategy,
     )
-    if island == 0:
+    if writer:
         _snapshot(snapshots, last[0], result.params, final=True)
     print(f"island {island} finished: {result.rounds} rounds, jax {jax.__version__}", flush=True)
 
