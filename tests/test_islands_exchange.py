@@ -261,3 +261,46 @@ def test_an_outer_optimizer_that_is_not_elementwise_is_refused_in_one_line(
     with pytest.raises(ValueError, match="must update every element from its own values"):
         IslandCoordinator(config, PARAMS, TREEDEF, optimizer, str(tmp_path))
     assert not os.path.exists(tmp_path / "shards")  # refused before anything was written
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_an_outer_codec_packs_each_segment_and_the_holders_average_its_decoding(tmp_path, codec):
+    """`outer_dtype` on the fault-isolated path: each island packs every segment it sends
+    (absmax per segment, S = 3 cuts inside a leaf), the holders receive the codec's bytes
+    and average the decoded values: the star's arithmetic on the decoded segments."""
+    from distrain._src.islands import codecs
+
+    coord = _coordinator(tmp_path, exchange_shards=3, outer_dtype=codec)
+    tokens = _start(coord)
+    for r in range(3):
+        _round(coord, tokens, r)
+    final = coord.params()
+    plan = coord._exchange.plan
+    received = [h.bytes_received for h in coord._exchange.holders.holders]
+    coord.stop()
+
+    def decoded(grads):  # what the holders average: each segment through the codec
+        parts = [[codecs.unpack(codecs.pack(x, codec), x.size) for x in param_shards.split(
+            grads, segments)] for segments in plan]  # fmt: skip
+        return param_shards.join(parts, plan, param_shards.specs_of(PARAMS))
+
+    params, state = [p.copy() for p in PARAMS], NESTEROV.init(PARAMS)
+    for r, weights in enumerate([(0.5, 0.5), (0.5, 0.5), (4 / 6, 2 / 6)]):
+        g0, g1 = decoded(_grads(10 * r)), decoded(_grads(10 * r + 1))
+        mean = [a * weights[0] + b * weights[1] for a, b in zip(g0, g1, strict=True)]
+        updates, state = NESTEROV.update(mean, state, params)
+        params = [np.asarray(x) for x in optax.apply_updates(params, updates)]
+    for a, b in zip(final, params, strict=True):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+    # 6 submissions per holder (2 islands x 3 rounds), each its segments' payloads.
+    per_holder = [sum(codecs.payload_bytes((s.stop - s.start,), codec) for s in segs)
+                  for segs in plan]  # fmt: skip
+    assert received == [6 * b for b in per_holder]
+    assert sum(per_holder) < sum(p.nbytes for p in PARAMS)  # tiny leaves: the scales weigh
+
+    holder = param_shards.LocalHolders.of(str(tmp_path / "h"), PARAMS, 1, NESTEROV).holders[0]
+    short = codecs.pack(np.ones(3, np.float32), codec)
+    with pytest.raises(ValueError, match=f"a {codec} segment of 5 elements is"):
+        holder.put(0, "t", 0, [short, PARAMS[1].ravel(), PARAMS[2]])
+    with pytest.raises(ValueError, match="outer_dtype must be one of"):
+        _coordinator(tmp_path / "bad", outer_dtype="int2")

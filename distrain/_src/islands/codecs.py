@@ -15,6 +15,12 @@ Codecs (``outer_dtype``):
   complement), so a tensor of ``n`` elements travels as ``ceil(n / 2)`` bytes and one
   float32 scale.
 
+Fault-isolated islands use the same codecs over their exchange (``outer_dtype`` of
+``islands.train`` / ``FaultIsolation``): an island packs each segment it sends a shard
+holder (:func:`pack`: a leaf, or the part of it one holder keeps, so the absmax scale
+is per segment), and the holder unpacks it (:func:`unpack`) before it averages in
+float32.
+
 The absmax codecs round to nearest: the error of every element is at most ``scale / 2``
 (plus float32 rounding of the division), and values that are integer multiples of the
 scale come back exactly. A tensor of zeros has scale 0 and decodes to zeros; a
@@ -175,3 +181,44 @@ def payload_bytes(shape: Sequence[int], outer_dtype: OuterDType) -> int:
     if outer_dtype == "bfloat16":
         return 2 * size
     return (size if outer_dtype == "int8" else (size + 1) // 2) + 4
+
+
+class Packed(NamedTuple):
+    """One segment as an island sends it to a shard holder: host arrays of
+    :class:`Encoded` and the codec's name."""
+
+    codec: OuterDType
+    data: np.ndarray
+    scale: np.ndarray | None
+
+    @property
+    def nbytes(self) -> int:
+        """The bytes it carries (codes plus the scale)."""
+        return int(self.data.nbytes) + (0 if self.scale is None else 4)
+
+
+def pack(x: np.ndarray, outer_dtype: OuterDType) -> Packed:
+    """``x`` (a 1-D float segment) encoded on the host.
+
+    Example:
+      >>> pack(np.array([-7.0, 3.5, 0.0], np.float32), "int4").nbytes
+      6
+    """
+    e = encode(x, outer_dtype)
+    return Packed(outer_dtype, np.asarray(e.data), None if e.scale is None else np.asarray(e.scale))
+
+
+def unpack(p: Packed, size: int) -> np.ndarray:
+    """The float32 segment of ``size`` elements that ``p`` stands for.
+
+    Raises:
+      ValueError: ``p`` does not carry ``size`` elements of its codec.
+    """
+    expected = payload_bytes((size,), p.codec)
+    if p.nbytes != expected:
+        raise ValueError(
+            f"a {p.codec} segment of {size} elements is {expected} bytes; received "
+            f"{p.nbytes}. Expected what codecs.pack made of the segment."
+        )
+    encoded = Encoded(jnp.asarray(p.data), None if p.scale is None else jnp.asarray(p.scale))
+    return np.asarray(decode(encoded, p.codec, (size,)))

@@ -163,6 +163,7 @@ def train(
     ray_address: str | None = None,
     on_round: Callable[[int, Any], None] | None = None,
     heal_from_peer: bool = True,
+    outer_dtype: str = "float32",
 ) -> IslandsResult:
     """Trains this island until every row of ``epochs`` passes was committed.
 
@@ -203,6 +204,9 @@ def train(
       heal_from_peer: a (re)joining island starts from a live island's inner optimizer
         state (else the initial one; its counts go on at ``round x sync_every`` either
         way). Every island must then build the same optimizer (docs/islands.md).
+      outer_dtype: what the pseudo-gradients travel to the shard holders as:
+        ``"float32"``, ``"bfloat16"``, ``"int8"`` or ``"int4"`` (absmax per segment of
+        a leaf; Streaming DiLoCo's codecs, ``docs/islands.md``).
 
     Returns:
       :class:`IslandsResult` (the final global parameters, on every process).
@@ -225,7 +229,7 @@ def train(
         heartbeat_interval=heartbeat_interval, start_timeout=start_timeout,
         min_islands_timeout=min_islands_timeout, mode=mode, max_staleness=max_staleness,
         round_timeout=round_timeout, call_timeout=call_timeout, ray_address=ray_address,
-        heal_from_peer=heal_from_peer, island=island, islands=islands,
+        heal_from_peer=heal_from_peer, island=island, islands=islands, outer_dtype=outer_dtype,
     )  # fmt: skip
     return options.run(train_step, state, data, epochs=epochs, strategy=strategy,
                        on_round=on_round)  # fmt: skip
@@ -267,6 +271,7 @@ class FaultIsolation:
     heal_from_peer: bool = True
     island: int | None = None
     islands: int | None = None
+    outer_dtype: str = "float32"
 
     def ids(self) -> tuple[int, int]:
         """``(island, islands)``: as given, else from ``distrain launch --islands``."""

@@ -127,7 +127,7 @@ class IslandCoordinator(Membership, Liveness, Rounds):
             holders = param_shards.LocalHolders.of(
                 self.directory, params, config.shards, outer_optimizer
             )
-        self._exchange = param_shards.Exchange(specs, config.shards, holders)
+        self._exchange = param_shards.Exchange(specs, config.shards, holders, config.outer_dtype)
         # A plain lock: _apply releases it around the save, which a re-entrant one
         # acquired twice would not.
         self._cond = threading.Condition(threading.Lock())

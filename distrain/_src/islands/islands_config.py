@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from distrain._src.islands.codecs import OuterDType
 
 
 class Round(NamedTuple):
@@ -64,6 +67,9 @@ class IslandsConfig:
         holders. ``None``: one per island (a holder then receives about one island's
         share of the model per round); ``1``: the star, one holder receives every
         island's whole pseudo-gradient. A resumed run keeps the count it started with.
+      outer_dtype: what each island's pseudo-gradient travels to the holders as:
+        ``"float32"``, ``"bfloat16"``, ``"int8"`` or ``"int4"`` (absmax per segment,
+        ``codecs.py``); the holders average in float32.
     """
 
     islands: int
@@ -81,8 +87,12 @@ class IslandsConfig:
     max_staleness: int | None = None
     round_timeout: float | None = None
     exchange_shards: int | None = None
+    outer_dtype: OuterDType = "float32"
 
     def __post_init__(self) -> None:
+        from distrain._src.islands.codecs import outer_dtype_name
+
+        object.__setattr__(self, "outer_dtype", outer_dtype_name(self.outer_dtype))
         if self.round_timeout is not None and not self.round_timeout > 0:
             raise ValueError(
                 "round_timeout must be None or > 0 seconds (None: derived from the observed "

@@ -39,7 +39,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from distrain._src.islands import store
+from distrain._src.islands import codecs, store
 
 
 class Segment(NamedTuple):
@@ -208,9 +208,18 @@ class ShardHolder:
                 raise ShardFailed(problem)
 
     # ---------------------------------------------------------------- islands
-    def put(self, island: int, token: str, round_: int, grads: list[np.ndarray]) -> None:
-        """``island``'s pseudo-gradient segments for ``round_`` (replacing any earlier)."""
-        shapes = [np.shape(g) for g in grads]
+    def put(self, island: int, token: str, round_: int,
+            grads: Sequence[np.ndarray | codecs.Packed]) -> None:  # fmt: skip
+        """``island``'s pseudo-gradient segments for ``round_`` (replacing any earlier),
+        float32 or packed by an outer codec (unpacked here)."""
+        received = sum(int(np.asarray(g).nbytes) if not isinstance(g, codecs.Packed)
+                       else g.nbytes for g in grads)  # fmt: skip
+        if len(grads) == len(self._params):
+            values = [codecs.unpack(g, p.size) if isinstance(g, codecs.Packed) else np.asarray(g)
+                      for g, p in zip(grads, self._params, strict=True)]  # fmt: skip
+        else:  # refused below, by their shapes
+            values = [np.asarray(g.data if isinstance(g, codecs.Packed) else g) for g in grads]
+        shapes = [np.shape(g) for g in values]
         if shapes != [np.shape(p) for p in self._params]:
             raise ValueError(
                 f"shard {self.index} of {self.shards} expected segments of shapes "
@@ -218,8 +227,8 @@ class ShardHolder:
                 f"{shapes}. Nothing was stored."
             )
         with self._lock:
-            self._pending[island] = (token, round_, grads)
-            self.bytes_received += sum(np.asarray(g).nbytes for g in grads)
+            self._pending[island] = (token, round_, values)
+            self.bytes_received += received
 
     def params(self, round_: int) -> list[np.ndarray] | None:
         """The shard of the committed round ``round_``; None if it serves another."""
@@ -406,10 +415,13 @@ class Exchange:
       shards: the number of shards (one holder each).
       holders: ``map(method, args_per_holder)`` over the holders (:class:`LocalHolders`
         or ``remote.RayHolders``).
+      outer_dtype: what a pseudo-gradient's segments travel as (``codecs.py``).
     """
 
-    def __init__(self, specs: Sequence[LeafSpec], shards: int, holders: Any) -> None:
+    def __init__(self, specs: Sequence[LeafSpec], shards: int, holders: Any,
+                 outer_dtype: codecs.OuterDType = "float32") -> None:  # fmt: skip
         self.specs = list(specs)
+        self.outer_dtype = outer_dtype
         self.plan = plan([s.shape for s in self.specs], shards)
         self.holders = holders
         self.bytes_sent = self.bytes_received = 0
@@ -430,7 +442,9 @@ class Exchange:
                 f"island {island}'s pseudo-gradient has shapes {shapes}; the global "
                 f"parameters have {[s.shape for s in self.specs]}. Nothing was applied."
             )
-        parts = [split(grads, segments) for segments in self.plan]
+        parts: list[list[Any]] = [split(grads, segments) for segments in self.plan]
+        if self.outer_dtype != "float32":
+            parts = [[codecs.pack(x, self.outer_dtype) for x in p] for p in parts]
         self.holders.map("put", [(island, token, round_, p) for p in parts])
         self.bytes_sent += sum(x.nbytes for p in parts for x in p)
 

@@ -308,7 +308,7 @@ def coordinator(name: str, args: tuple[Any, ...], timeout: float) -> Coordinator
 
     def exchange() -> Exchange:  # the holders first: the coordinator finds them
         holders = RayHolders(os.path.abspath(directory), segments, outer_optimizer, rid, timeout_s)
-        return Exchange(specs, config.shards, holders)
+        return Exchange(specs, config.shards, holders, config.outer_dtype)
 
     args = (config, specs, treedef, outer_optimizer, directory)
     actor = ray.remote(RemoteCoordinator).options(

@@ -37,6 +37,7 @@ class FaultIsolationConfig(ConfigSection):
       outer_optimizer: the outer optimizer (default DiLoCo's Nesterov SGD; with
         ``mode: async``, ``null`` gives delayed Nesterov).
       heal_from_peer: a (re)joining island takes a live island's inner optimizer state.
+      outer_dtype: what the pseudo-gradients travel as (Streaming DiLoCo's codecs).
     """
 
     sync_every: pydantic.PositiveInt = Field(description="H, inner steps per round, e.g. 20")
@@ -52,6 +53,7 @@ class FaultIsolationConfig(ConfigSection):
     round_timeout: float | None = Field(default=None, gt=0)
     call_timeout: float = Field(default=120.0, gt=0)
     heal_from_peer: bool = True
+    outer_dtype: Literal["float32", "bfloat16", "int8", "int4"] = "float32"
 
     def build(self, seed: int | None) -> Any:
         """The ``FaultIsolation`` this section describes (``seed``: the row order's)."""
