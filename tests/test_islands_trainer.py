@@ -80,6 +80,7 @@ def test_fit_is_the_islands_loop_with_callbacks_validation_and_backups(local_ray
     assert [e["epoch"] for e in epochs] == list(range(12)) == history.epoch
     assert [e["step"] for e in epochs] == [2 * (r + 1) for r in range(12)]
     assert all(np.isfinite(e["loss"]) and np.isfinite(e["val_loss"]) for e in epochs)
+    assert [e["rows"] for e in epochs] == [16] * 12  # one island: every round's 2 x 8 rows
     # Validation is of the global model a round starts from: round 0's is the initial one.
     initial = trainer.evaluate(state, val)["loss"]
     assert epochs[0]["val_loss"] == pytest.approx(initial, rel=1e-6)
@@ -228,11 +229,13 @@ def test_distrain_train_with_fault_isolation_survives_a_sigkill(tmp_path):
     for island in (0, 1):
         events = _lines(logs / f"island-{island}/metrics.jsonl")
         epochs = [e for e in events if e["event"] == "epoch"]
-        assert epochs and all("val_accuracy" in e and "loss" in e for e in epochs)
+        trained = [e for e in epochs if e["rows"]]  # the run's last rounds may have none
+        assert epochs and all("val_accuracy" in e for e in epochs)
+        assert trained and all("loss" in e and e["rows"] <= 4 * 32 for e in trained)
         assert [e["epoch"] for e in epochs] == sorted({e["epoch"] for e in epochs})
         # Step r x H + k: the same numbering on every island (the run's last round may
         # hold fewer than H batches).
-        assert all(4 * e["epoch"] < e["step"] <= 4 * (e["epoch"] + 1) for e in epochs)
+        assert all(4 * e["epoch"] < e["step"] <= 4 * (e["epoch"] + 1) for e in trained)
     # Island 1's logs: the rounds before its kill, then (from its backup on) the rounds
     # after its rejoin, each once.
     timeline = _lines(run / "island-1/timeline.jsonl")

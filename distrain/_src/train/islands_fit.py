@@ -6,11 +6,12 @@ pseudo-gradient, rejoins. This module tells the Trainer's callbacks what happens
 one mapping: **a callback's epoch is a round**. Round ``r`` calls ``on_epoch_begin(r)``,
 ``on_train_batch_end`` after each inner step (``step = r x sync_every + k``, the same
 numbering on every island and across restarts), and ``on_epoch_end(r, logs)`` with the
-round's ``loss`` and, every ``validation_freq`` rounds, ``val_*`` metrics of the
-**global** parameters the round started from. ``BackupAndRestore`` on an island backs up
-its own state and position; a restarted island resumes its callbacks and logs from it
-and, when no live peer heals it, its inner optimizer state too (its parameters always
-come from the run: the coordinator's are newer).
+round's ``rows`` and ``loss`` (none without rows) and, every ``validation_freq``
+rounds, ``val_*`` metrics of the **global** parameters the round started from.
+``BackupAndRestore`` on an island backs up its own state and position; a restarted
+island resumes its callbacks and logs from it and, when no live peer heals it, its
+inner optimizer state too (its parameters always come from the run: the coordinator's
+are newer).
 """
 
 from __future__ import annotations
@@ -97,7 +98,9 @@ class _Rounds:
 
     def end(self, r: int, entry: dict[str, Any]) -> None:
         t = self.trainer
-        logs = {**({"loss": entry["loss"]} if entry["loss"] is not None else {}), **self.val}
+        # An island may get no rows (the run's last round): then it has no loss.
+        loss = {"loss": entry["loss"]} if entry["loss"] is not None else {}
+        logs = {"rows": entry["rows"], **loss, **self.val}
         t.loop.history.append(r, logs)
         t._epoch_done = True  # a save now records the next round as where to go on
         self.callbacks.call("on_epoch_end", r, logs)
