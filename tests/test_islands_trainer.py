@@ -55,6 +55,8 @@ def test_fit_is_the_islands_loop_with_callbacks_validation_and_backups(local_ray
     with the round's loss and the validation of the global model it started from;
     `BackupAndRestore` backs up each round, and a second fit resumes its position from it
     and trains nothing (the run is finished)."""
+    import jax
+
     import distrain as dt
 
     train_step, eval_step, state, data = _problem()
@@ -68,7 +70,13 @@ def test_fit_is_the_islands_loop_with_callbacks_validation_and_backups(local_ray
     islands = dt.experimental.islands.FaultIsolation(directory=str(tmp_path / "run"), **iso)
     backup = dt.callbacks.BackupAndRestore(tmp_path / "backup", delete_checkpoint=False)
     jsonl = tmp_path / "metrics.jsonl"
-    callbacks = [dt.callbacks.JSONLinesLogger(jsonl), backup]
+
+    class End(dt.callbacks.Callback):
+        def on_train_end(self, logs=None):
+            self.logs = dict(logs)
+
+    end = End()
+    callbacks = [dt.callbacks.JSONLinesLogger(jsonl), backup, end]
     trainer = dt.Trainer(dt.MirroredStrategy(), train_step, eval_step, callbacks=callbacks,
                          islands=islands)  # fmt: skip
     val = dt.data.ArrayPipeline(data, global_batch_size=16, shuffle=False, num_epochs=1)
@@ -86,14 +94,36 @@ def test_fit_is_the_islands_loop_with_callbacks_validation_and_backups(local_ray
     assert epochs[0]["val_loss"] == pytest.approx(initial, rel=1e-6)
     assert epochs[-1]["val_loss"] < 0.2 * initial
     assert history.history["val_loss"] == pytest.approx([e["val_loss"] for e in epochs])
+    # on_train_end gets the validation of the final global parameters.
+    assert end.logs["val_loss"] == pytest.approx(trainer.evaluate(final, val)["loss"], rel=1e-6)
     assert backup.newest_backup == 24  # the last round's end (step 12 x 2) and the end
 
     # A second fit of the finished run: the backup gives back the position, and the
     # coordinator (its directory kept) has nothing left: no round is trained.
     again = dt.Trainer(dt.MirroredStrategy(), train_step, eval_step, islands=islands,
-                       callbacks=[dt.callbacks.BackupAndRestore(tmp_path / "backup")])  # fmt: skip
+                       callbacks=[dt.callbacks.BackupAndRestore(
+                           tmp_path / "backup", delete_checkpoint=False)])  # fmt: skip
     _, history2 = again.fit(state, pipeline, epochs=2)
     assert again.loop.initial_step == 24 and history2.epoch == history.epoch
+
+    # The backup's inner optimizer state is what the island joins a run with when no
+    # peer heals it: a new run from it equals islands.train started from that state.
+    restored = state.replace(opt_state=jax.device_get(again.state.opt_state))
+    pairs = zip(jax.tree.leaves(restored.opt_state), jax.tree.leaves(state.opt_state),
+                strict=True)  # fmt: skip
+    assert not all(np.array_equal(a, b) for a, b in pairs)
+    from_backup = dt.Trainer(dt.MirroredStrategy(), train_step, islands=dataclasses.replace(
+        islands, directory=str(tmp_path / "from_backup")),
+        # No saves: this run's steps (round x H) are older than the backup's.
+        callbacks=[dt.callbacks.BackupAndRestore(tmp_path / "backup",
+                                                 save_freq=10**6)])  # fmt: skip
+    resumed, _ = from_backup.fit(state, pipeline, epochs=2)
+    expected = dt.experimental.islands.train(
+        train_step, restored, data, batch_size=8, directory=str(tmp_path / "ref2"), epochs=2,
+        **iso,
+    )  # fmt: skip
+    np.testing.assert_array_equal(np.asarray(resumed.params["w"]), expected.params["w"])
+    assert not np.array_equal(expected.params["w"], reference.params["w"])
 
     class Stop(dt.callbacks.Callback):
         def on_train_batch_end(self, info):
