@@ -198,6 +198,8 @@ fault_isolation:
   death_timeout: 5.0
   heartbeat_interval: 0.5
   start_timeout: 120.0
+  min_islands: 2        # rounds wait for island 1's rejoin: on a loaded machine island 0
+                        # alone could otherwise finish the rows before island 1 is back
 """
 
 
@@ -207,7 +209,8 @@ def test_distrain_train_with_fault_isolation_survives_a_sigkill(tmp_path):
     2 --nproc-per-island 2`; island 1's process 1 is SIGKILLed after two rounds. Every
     row is committed once; each island writes its own metrics.jsonl with the validation
     of the global model every round; island 1's restart resumes its BackupAndRestore
-    backup (its logs go on from there) and both islands end with the final evaluation."""
+    backup (its logs go on from there) and both islands end with the final evaluation.
+    With ``min_islands: 2`` island 0's rounds wait for island 1's rejoin."""
     import os
     import re
     import signal
