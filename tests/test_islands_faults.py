@@ -547,6 +547,36 @@ def test_islands_survive_sigkills_of_an_island_and_the_coordinator(tmp_path):
     assert g0.buckets_s["sync"] > 0 and len(g1.attempts) == 3
 
 
+@pytest.mark.one_end("newest")  # ~30 s with a real Ray cluster: see tests/conftest.py
+def test_a_round_a_killed_shard_holder_lost_is_trained_again_with_every_row_once(tmp_path):
+    """Island 0 kills shard holder 0's actor right after it submitted round 2, while
+    island 1 still trains it (SCRIPT --kill-holder-after). Ray restarts the holder from
+    the committed round; it lacks island 0's pseudo-gradient, so round 2 is not applied
+    and both islands train it again: the run ends, no island restarts or rejoins, every
+    row once."""
+    run = tmp_path / "run"
+    code, log, _ = _run_with_kills(run, [], extra=("--kill-holder-after", "2"), rows=512)
+    assert code == 0, log[-4000:]
+    for i in (0, 1):  # no island's process restarted
+        assert [e["event"] for e in _lines(run / f"island-{i}/timeline.jsonl")].count("start") == 1
+    assert np.array_equal(np.sort(committed_rows(str(run))), np.arange(512 * 2))
+    events = _lines(run / "events.jsonl")
+    retried = [e for e in events if e["event"] == "round_retried"]
+    assert [e["round"] for e in retried] == [2], events
+    assert "(PseudoGradientLost: shard 0 of 2 has no pseudo-gradient of island 0 for round 2" \
+        in retried[0]["error"]  # fmt: skip
+    assert (retried[0]["islands"], retried[0]["rows_returned"]) == ([0, 1], 128)
+    assert not any(e["event"] in ("failed", "save_failed", "dead") for e in events)
+    applied = [e["round"] for e in events if e["event"] == "round"]
+    assert applied == list(range(len(applied))) and len(applied) >= 8
+    for i in (0, 1):  # round 2, submitted, then trained again from the same parameters
+        timeline = _lines(run / f"island-{i}/timeline.jsonl")
+        assert [e["round"] for e in timeline if e["event"] == "retry"] == [2]
+        assert [e["round"] for e in timeline if e["event"] == "round"][:4] == [0, 1, 2, 2]
+    results = [json.loads((run / f"island-{i}/result.json").read_text()) for i in (0, 1)]
+    assert results[0]["w"] == results[1]["w"]
+
+
 @pytest.mark.one_end("newest")  # ~25 s with a real Ray cluster: see tests/conftest.py
 def test_a_sigstopped_island_is_hung_at_the_round_deadline_and_the_other_goes_on(tmp_path):
     """Issue 50, defect 4: a hung island stalled every round forever. Island 1 is

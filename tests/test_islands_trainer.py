@@ -143,6 +143,33 @@ def test_fit_is_the_islands_loop_with_callbacks_validation_and_backups(local_ray
         stopping.fit(state, pipeline)
 
 
+def test_a_round_trained_again_is_told_to_the_callbacks_and_kept_once_in_the_history(tmp_path):
+    """A round a shard holder lost is trained again (`island_loop.IslandLoop.retry`, run
+    end to end in tests/test_islands_faults.py): the Trainer's round hooks tell the
+    callbacks both attempts, and the history keeps only the applied one."""
+    import distrain as dt
+    from distrain._src.train.callbacks.base import CallbackList
+    from distrain._src.train.islands_fit import _Rounds
+
+    train_step, _, state, _ = _problem()
+    iso = dt.experimental.islands.FaultIsolation(sync_every=2, directory=str(tmp_path),
+                                                  island=0, islands=1)  # fmt: skip
+    trainer = dt.Trainer(dt.MirroredStrategy(), train_step, islands=iso)
+    jsonl = tmp_path / "metrics.jsonl"
+    callbacks = CallbackList([dt.callbacks.JSONLinesLogger(jsonl)], trainer)
+    rounds = _Rounds(trainer, callbacks, 2, (None, 1, None))
+    callbacks.call("on_train_begin", None)
+    for r, loss, retried in [(0, 1.0, False), (1, 0.9, True), (1, 0.8, False), (2, 0.7, False)]:
+        rounds.begin(r, state.params)
+        rounds.end(r, {"round": r, "rows": 4, "loss": loss, "compute_s": 0.1, "applied": True})
+        if retried:
+            rounds.retry(r)
+    history = trainer.loop.history
+    assert history.epoch == [0, 1, 2] and history.history["loss"] == pytest.approx([1, 0.8, 0.7])
+    events = [json.loads(x) for x in jsonl.read_text().splitlines()]
+    assert [e["epoch"] for e in events if e["event"] == "epoch"] == [0, 1, 1, 2]
+
+
 def test_fit_over_islands_refuses_what_does_not_apply(tmp_path):
     """Wrong input, one line each, before anything connects; the options' defaults are
     the coordinator's."""

@@ -3,7 +3,11 @@
 A linear regression on 1,024 rows whose inputs carry their row id, so the rows each
 island trained can be checked. Arguments: DIRECTORY [--epochs E] [--sync-every H]
 [--batch B] [--death-timeout S] [--step-sleep S] [--min-islands M] [--mode async]
-[--max-staleness K] [--round-timeout S].
+[--max-staleness K] [--round-timeout S] [--kill-holder-after R].
+
+With --kill-holder-after R, island 0 kills shard holder 0's actor (Ray restarts it)
+right after it submitted round R, while island 1 still trains it (`KillHolder`): the
+holder loses island 0's pseudo-gradient and the round is trained again.
 """
 
 import argparse
@@ -17,6 +21,7 @@ import numpy as np
 import optax
 
 import distrain as dt
+from distrain._src.islands.island_loop import RoundHooks
 
 p = argparse.ArgumentParser()
 p.add_argument("directory")
@@ -31,6 +36,7 @@ p.add_argument("--features", type=int, default=4)
 p.add_argument("--mode", default="sync")
 p.add_argument("--max-staleness", type=int, default=None)
 p.add_argument("--round-timeout", type=float, default=None)
+p.add_argument("--kill-holder-after", type=int, default=None)
 args = p.parse_args()
 
 rng = np.random.default_rng(0)
@@ -56,16 +62,50 @@ def slow_step(state, batch):
     return train_step(state, batch)
 
 
+class KillHolder(RoundHooks):
+    """Island 0 kills shard holder 0's actor (Ray restarts it) right after it submitted
+    round ``after``; island 1 goes on past that round's first step only once the restarted
+    holder answers. So the holder lost island 0's pseudo-gradient, and has island 1's."""
+
+    def __init__(self, after):
+        self.after, self.flag = after, os.path.join(args.directory, "holder-killed")
+
+    def holder(self):
+        import ray
+
+        from distrain._src.islands.remote import NAMESPACE, holder_name
+
+        name = holder_name(os.path.abspath(args.directory), 0, 2)  # one holder per island
+        return ray, ray.get_actor(name, namespace=NAMESPACE)
+
+    def step(self, r, index, state):
+        if island != 1 or (r, index) != (self.after, 0) or os.path.exists(self.flag + "-seen"):
+            return
+        deadline = time.time() + 120
+        while not os.path.exists(self.flag) and time.time() < deadline:
+            time.sleep(0.05)
+        while time.time() < deadline:  # the restarted holder serves the committed round
+            try:
+                ray, holder = self.holder()
+                if ray.get(holder.params.remote(r), timeout=5) is not None:
+                    break
+            except Exception:  # noqa: BLE001 - restarting
+                time.sleep(0.2)
+        open(self.flag + "-seen", "w").close()
+
+    def end(self, r, entry):
+        if island == 0 and r == self.after and not os.path.exists(self.flag):
+            ray, holder = self.holder()
+            ray.kill(holder, no_restart=False)
+            open(self.flag, "w").close()
+
+
 params = {"w": jnp.zeros((args.features, 1), jnp.float32)}
 state = dt.TrainState.create(params=params, tx=optax.sgd(0.05))
-result = dt.experimental.islands.train(
-    slow_step if args.step_sleep else train_step,
-    state,
-    data,
+options = dict(
     batch_size=args.batch,
     sync_every=args.sync_every,
     directory=args.directory,
-    epochs=args.epochs,
     death_timeout=args.death_timeout,
     heartbeat_interval=0.5,
     min_islands=args.min_islands,
@@ -75,6 +115,13 @@ result = dt.experimental.islands.train(
     max_staleness=args.max_staleness,
     round_timeout=args.round_timeout,
 )
+step = slow_step if args.step_sleep else train_step
+if args.kill_holder_after is None:
+    result = dt.experimental.islands.train(step, state, data, epochs=args.epochs, **options)
+else:
+    hooks = KillHolder(args.kill_holder_after)
+    islands = dt.experimental.islands.FaultIsolation(**options)
+    result = islands.run(step, state, data, epochs=args.epochs, hooks=hooks)
 with open(os.path.join(args.directory, f"island-{island}", "result.json"), "w") as f:
     json.dump(
         {

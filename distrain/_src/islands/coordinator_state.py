@@ -69,6 +69,7 @@ class CoordinatorState(abc.ABC):
     _next: set[int]
     _leased: set[int]
     _submissions: dict[int, Submission]
+    _retrying: set[int]
     _pulled: dict[int, int]
     _island_steps: dict[int, int]
     # Liveness: last heartbeats, lease and join times, round times, why each died.

@@ -375,7 +375,7 @@ def _run(
         link, strategy, train_step, take, joiner, ledger, log, batch_size=config.batch_size,
         treedef=treedef, structure=structure, directory=directory,
         until=call_timeout + config.min_islands_timeout, on_round=on_round, hooks=hooks,
-        processes=processes, process=jax.process_index(),
+        processes=processes, process=jax.process_index(), synchronous=config.mode == "sync",
     )  # fmt: skip
     sigterm.unwind = True
     try:

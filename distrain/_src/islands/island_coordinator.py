@@ -141,6 +141,7 @@ class IslandCoordinator(Membership, Liveness, Rounds):
         self._next: set[int] = set()
         self._leased: set[int] = set()
         self._submissions: dict[int, Submission] = {}
+        self._retrying: set[int] = set()  # submitted a round that is trained again
         self._pulled: dict[int, int] = {}  # async: the version each island trains from
         self._island_steps: dict[int, int] = {}  # inner steps each island had applied
         self._leased_at: dict[int, float] = {}  # when each unsubmitted lease was taken

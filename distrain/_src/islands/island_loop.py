@@ -49,6 +49,9 @@ class RoundHooks:
     def end(self, r: int, entry: dict[str, Any]) -> None:
         """Round ``r`` was submitted; ``entry`` is its line of ``IslandsResult.history``."""
 
+    def retry(self, r: int) -> None:
+        """Round ``r``, reported by :meth:`end`, was not applied: it is trained again."""
+
 
 @dataclasses.dataclass(frozen=True)
 class IslandsResult:
@@ -191,6 +194,7 @@ class IslandLoop:
     hooks: RoundHooks = dataclasses.field(default_factory=RoundHooks)
     processes: int = 1
     process: int = 0
+    synchronous: bool = True  # rounds advance together (else asynchronous islands)
     history: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     done: int = 0  # inner steps of this island, its earlier incarnations' applied ones too
     placed: Any = None  # the island's state on its devices; None until (re)joined
@@ -220,6 +224,8 @@ class IslandLoop:
                 self.ledger.move(hang_s, "sync", "hang")
                 if finished:
                     break
+                if self.synchronous and r == after:  # not applied (a holder lost it): again
+                    self.retry(r)
                 if self.on_round is not None:
                     self.on_round(r, self.to_tree(leaves))
                 self.hooks.begin(r, self.to_tree(leaves))
@@ -231,6 +237,17 @@ class IslandLoop:
                 self.joined = False
                 self.link.token = None
         return self.finish(r, leaves)
+
+    def retry(self, r: int) -> None:
+        """Round ``r``, which this island submitted, was not applied (a shard holder
+        restarted and lost a pseudo-gradient of it): its steps are lost work, and the
+        island trains the round again from the same global parameters."""
+        entry = self.history[-1]
+        entry["applied"] = False
+        self.done -= -(-entry["rows"] // self.batch_size)
+        self.ledger.resumed(self.done)
+        self.log("retry", round=r)
+        self.hooks.retry(r)
 
     def start(self, r: int, leaves: list[np.ndarray], donate: bool) -> None:
         """The state round ``r`` starts from: after a (re)join the joiner's (healed or

@@ -61,6 +61,15 @@ class ShardFailed(RuntimeError):
     """A shard holder could not apply or save a round (one line: which, and why)."""
 
 
+class PseudoGradientLost(RuntimeError):
+    """A holder has no pseudo-gradient an island sent it for the open round (the holder
+    restarted since): the round is trained again (``rounds.py``), not applied."""
+
+
+class HolderLost(RuntimeError):
+    """A shard holder's actor died during a call (Ray restarts it)."""
+
+
 def specs_of(leaves: Sequence[Any]) -> list[LeafSpec]:
     return [LeafSpec(tuple(np.shape(x)), np.dtype(x.dtype).name) for x in leaves]
 
@@ -246,8 +255,9 @@ class ShardHolder:
         :meth:`install`. No entries: round ``r + 1`` holds round ``r``'s values.
 
         Raises:
-          ShardFailed: a pseudo-gradient is missing (this holder restarted since the
-            island put it), or the update or the save failed; nothing changes.
+          PseudoGradientLost: a pseudo-gradient is missing (this holder restarted
+            since the island put it); nothing changes.
+          ShardFailed: the update or the save failed; nothing changes.
         """
         import jax
 
@@ -256,7 +266,7 @@ class ShardHolder:
             for island, token, round_, weight in sorted(entries):
                 got = self._pending.get(island)
                 if got is None or got[:2] != (token, round_):
-                    raise ShardFailed(
+                    raise PseudoGradientLost(
                         f"shard {self.index} of {self.shards} has no pseudo-gradient of "
                         f"island {island} for round {round_} (the holder restarted since "
                         "the island sent it)"

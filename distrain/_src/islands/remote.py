@@ -40,7 +40,14 @@ from distrain._src.islands.island_coordinator import (
     IslandsFailed,
     RejoinRequired,
 )
-from distrain._src.islands.param_shards import Exchange, LeafSpec, ShardFailed, ShardHolder
+from distrain._src.islands.param_shards import (
+    Exchange,
+    HolderLost,
+    LeafSpec,
+    PseudoGradientLost,
+    ShardFailed,
+    ShardHolder,
+)
 
 NAMESPACE = "distrain-islands"
 RUN_ID = "run-id"  # DIR/run-id: this run directory's id, written by the first island
@@ -69,10 +76,6 @@ def actor_name(directory: str) -> str:
 def holder_name(directory: str, index: int, shards: int) -> str:
     """The holder of shard ``index`` of the run in ``directory``."""
     return f"{actor_name(directory)}-shard-{index}-of-{shards}"
-
-
-class HolderLost(RuntimeError):
-    """A shard holder's actor died during a call (Ray restarts it)."""
 
 
 def check_shared(directory: str, run_id: str) -> None:
@@ -127,7 +130,7 @@ class RayHolders:
                 raise _failed_to_start(e, "a shard holder") from None
             raise HolderLost(f"a shard holder restarted ({type(e).__name__})") from None
         except ray.exceptions.RayTaskError as e:
-            if isinstance(e.cause, ShardFailed | ValueError):
+            if isinstance(e.cause, ShardFailed | PseudoGradientLost | ValueError):
                 raise e.cause from None
             raise
 

@@ -9,7 +9,8 @@ A round ``r`` commits in three steps (:func:`commit`):
    rows committed): the **commit point**;
 3. every holder serves round ``r + 1`` (``ShardHolder.install``).
 
-A failure in 1 or 2 discards the holders' round ``r + 1`` and applies nothing. A crash
+A failure in 1 or 2 discards the holders' round ``r + 1`` and applies nothing (when a
+holder lost a pseudo-gradient, a restart, the coordinator trains the round again). A crash
 between 1 and 2 leaves shards of a round never committed: the restarted coordinator
 resumes from round ``r`` and the holders delete them (:func:`restore`); a crash between
 2 and 3 resumes from round ``r + 1``, whose shards are on disk.
@@ -27,11 +28,14 @@ from collections.abc import Callable
 from typing import Any
 
 from distrain._src.islands import store
-from distrain._src.islands.param_shards import Exchange
+from distrain._src.islands.param_shards import Exchange, HolderLost, PseudoGradientLost
 
 #: The prefix of :func:`commit`'s failure when the round was committed but a holder
 #: could not serve it.
 INSTALLED = "installed: "
+#: The prefix of :func:`commit`'s failure when nothing was applied because a holder lost
+#: a pseudo-gradient of the round (it restarted): the round can be trained again.
+LOST = "lost: "
 
 
 def commit(
@@ -44,13 +48,15 @@ def commit(
     """Commits round ``r`` (the three steps above); ``entries``: ``(island, token,
     round, weight)`` of each pseudo-gradient in the mean; ``save``: the coordinator's
     checkpoint. Returns None, or what failed in one line (prefixed with
-    :data:`INSTALLED` when only step 3 did: the round is committed)."""
+    :data:`INSTALLED` when only step 3 did: the round is committed; with :data:`LOST`
+    when step 1 failed for a holder's restart)."""
     try:
         exchange.map("apply", r, entries)
     except Exception as e:  # noqa: BLE001 - nothing was applied: say why, one line
         with contextlib.suppress(Exception):
             exchange.map("discard", r + 1)
-        return f"update in the parameter shards failed ({line(e)})"
+        lost = isinstance(e, PseudoGradientLost | HolderLost)
+        return (LOST if lost else "") + f"update in the parameter shards failed ({line(e)})"
     try:
         save()
     except Exception as e:  # noqa: BLE001

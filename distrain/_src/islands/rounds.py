@@ -10,7 +10,9 @@ A round ``r`` (synchronous mode):
 3. when every island of ``r`` still alive submitted, every shard holder applies the
    round and saves its shard of round ``r + 1``; then the coordinator saves the ledger
    with the leases committed, the commit point (``round_commit.py``); only then the
-   holders serve the new parameters (:meth:`Rounds.wait_round`).
+   holders serve the new parameters (:meth:`Rounds.wait_round`). If a holder lost a
+   pseudo-gradient of ``r`` (it restarted), nothing is applied: the round's rows go back
+   to the queue and its islands train ``r`` again from the same parameters.
 
 In the asynchronous mode each submission is applied at once, unless it is staler than
 ``max_staleness`` updates.
@@ -144,12 +146,13 @@ class Rounds(CoordinatorState):
         starts from, finished, and ``hang_s``: the seconds round ``after`` waited for
         islands declared hung after the others submitted), or None after ``timeout``
         seconds (call again). ``finished``: every row was committed; the parameters are
-        the final ones."""
+        the final ones. The round is ``after`` again when it was not applied and
+        ``island`` trains it again (a shard holder lost a pseudo-gradient of it)."""
         deadline = time.time() + timeout
         with self._cond:
             synchronous = self.config.mode == "sync"
             while not self.ledger.exhausted and (
-                (synchronous and self.round <= after)
+                (synchronous and self.round <= after and island not in self._retrying)
                 or island not in self._members
                 or island in self._next
             ):
@@ -160,6 +163,7 @@ class Rounds(CoordinatorState):
                     return None
                 self._cond.wait(remaining)
             self._check_token(island, token)
+            self._retrying.discard(island)
             self._pulled[island] = self.round
             hung_round, hang_s = self._hang_s
             hang_s = hang_s if hung_round == after else 0.0
@@ -224,6 +228,11 @@ class Rounds(CoordinatorState):
                 self._exchange, lambda: self._save(r, positions, meta), r, entries,
                 self.directory,
             )  # fmt: skip
+        if failure is not None and failure.startswith(round_commit.LOST):
+            if self.config.mode == "sync":
+                self._retry(r, islands, failure.removeprefix(round_commit.LOST))
+                return
+            failure = failure.removeprefix(round_commit.LOST)
         if failure is not None and not failure.startswith(round_commit.INSTALLED):
             self._event("save_failed", round=r, error=failure)
             self._fail(
@@ -261,6 +270,20 @@ class Rounds(CoordinatorState):
                 f"({failure.removeprefix(round_commit.INSTALLED)}); the run stops. Start the "
                 f"islands again: the coordinator resumes from round {r + 1}."
             )
+        self._cond.notify_all()
+
+    def _retry(self, r: int, islands: list[int], why: str) -> None:
+        """Round ``r`` was not applied because a shard holder lost a pseudo-gradient of it
+        (a restart): its rows go back to the queue's front and the islands that submitted
+        it train it again, from the same parameters (:meth:`wait_round` gives them ``r``
+        again). The other holders' copies are replaced when the islands submit again."""
+        returned = self.ledger.retry(islands)
+        self._leased -= set(islands)
+        self._submissions.clear()
+        self._retrying |= set(islands)
+        self._hung_at = self._started_at = None
+        self._event("round_retried", round=r, islands=islands, rows_returned=returned,
+                    error=why)  # fmt: skip
         self._cond.notify_all()
 
     def _submit_async(

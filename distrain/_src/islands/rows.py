@@ -98,6 +98,14 @@ class RowLedger:
         self.returned = [int(p) for p in positions] + self.returned
         return len(positions)
 
+    def retry(self, islands: Iterable[int]) -> int:
+        """The open round was not applied (a shard holder lost a pseudo-gradient): these
+        islands' pending positions return to the queue's front, in island order, to be
+        trained again. Returns the rows returned."""
+        back = [int(p) for i in sorted(islands) for p in self.pending.pop(i)]
+        self.returned = back + self.returned
+        return len(back)
+
     def pending_of(self, islands: Iterable[int]) -> np.ndarray:
         """The positions these islands submitted in the open round, in island order."""
         done = [self.pending[i] for i in sorted(islands)]

@@ -7,7 +7,9 @@ one mapping: **a callback's epoch is a round**. Round ``r`` calls ``on_epoch_beg
 ``on_train_batch_end`` after each inner step (``step = r x sync_every + k``, the same
 numbering on every island and across restarts), and ``on_epoch_end(r, logs)`` with the
 round's ``rows`` and ``loss`` (none without rows) and, every ``validation_freq``
-rounds, ``val_*`` metrics of the **global** parameters the round started from.
+rounds, ``val_*`` metrics of the **global** parameters the round started from. A round
+that is not applied (a shard holder restarted and lost a pseudo-gradient of it) is
+trained again: its callbacks run again, and the history keeps the applied attempt.
 ``BackupAndRestore`` on an island backs up its own state and position; a restarted
 island resumes its callbacks and logs from it and, when no live peer heals it, its
 inner optimizer state too (its parameters always come from the run: the coordinator's
@@ -106,6 +108,15 @@ class _Rounds:
         self.callbacks.call("on_epoch_end", r, logs)
         t._epoch_done = False
         t.loop.epoch = r + 1
+
+    def retry(self, r: int) -> None:
+        """Round ``r`` was not applied (a shard holder lost it) and is trained again: the
+        history keeps only the attempt that is applied (the callbacks saw both)."""
+        history = self.trainer.loop.history
+        if history.epoch and history.epoch[-1] == r:
+            history.epoch.pop()
+            for values in history.history.values():
+                values.pop()
 
 
 def fit_islands(
