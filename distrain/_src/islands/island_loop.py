@@ -240,12 +240,11 @@ class IslandLoop:
 
     def retry(self, r: int) -> None:
         """Round ``r``, which this island submitted, was not applied (a shard holder
-        restarted and lost a pseudo-gradient of it): its steps are lost work, and the
-        island trains the round again from the same global parameters."""
+        restarted and lost a pseudo-gradient of it): its steps no longer count as applied,
+        and the island trains the round again from the same global parameters."""
         entry = self.history[-1]
         entry["applied"] = False
         self.done -= -(-entry["rows"] // self.batch_size)
-        self.ledger.resumed(self.done)
         self.log("retry", round=r)
         self.hooks.retry(r)
 
