@@ -49,6 +49,9 @@ results.
 
 ``--toy``: 2 islands, seeds 0 and 1, a tiny model, short rounds, kills after 1 round,
 and one compilation cache shared by the arms (smoke-test speed, not a measurement).
+The test runs it with ``--rows 1024 --min-islands 2``: a short run whose island 0
+waits for each rejoin (with the default ``--min-islands 1`` the survivors train on
+alone, which is what the figures measure, and a short run could end first).
 
 Example::
 
@@ -160,6 +163,7 @@ def worker(args: argparse.Namespace) -> None:
         death_timeout=args.death_timeout,
         heartbeat_interval=args.heartbeat,
         start_timeout=120.0,
+        min_islands=args.min_islands,
         min_islands_timeout=120.0,
         on_round=on_round,
         heal_from_peer=args.heal,
@@ -266,7 +270,7 @@ def _run_arm(
         "--seed", str(seed), "--data", str(args.data), "--batch", str(args.batch),
         "--sync-every", str(args.sync_every), "--epochs", str(args.epochs),
         "--eval-every", str(args.eval_every), "--death-timeout", str(args.death_timeout),
-        "--heartbeat", str(args.heartbeat),
+        "--heartbeat", str(args.heartbeat), "--min-islands", str(args.min_islands),
         *(["--rows", str(args.rows)] if args.rows else []),
         *(["--toy"] if args.toy else []),
         *(["--heal"] if heal else []),
@@ -656,6 +660,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     parser.add_argument("--death-timeout", type=float, default=5.0)
     parser.add_argument("--heartbeat", type=float, default=0.5)
+    parser.add_argument(
+        "--min-islands",
+        type=int,
+        default=1,
+        help="rounds wait for this many live islands (1: the survivors train on alone, "
+        "what the figures measure; 2: island 0 waits for each rejoin, so a short run "
+        "cannot end before the killed island is back)",
+    )
     parser.add_argument("--kill-after", type=int, default=None, help="rounds (toy: 1)")
     parser.add_argument("--arm-timeout", type=float, default=None, help="seconds per arm")
     parser.add_argument(
@@ -723,7 +735,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         return _only_heal(args, argv, root, heal_seeds, total, overrides, t_start, load_start)
     # One island alone, nothing else running: the cold start a rejoin is held against.
     solo_args = argparse.Namespace(
-        **{**vars(args), "islands": 1, "epochs": 1, "rows": args.batch * args.sync_every}
+        **{
+            **vars(args),
+            "islands": 1,
+            "epochs": 1,
+            "rows": args.batch * args.sync_every,
+            "min_islands": 1,
+        }
     )
     solo_dir = root / "solo"
     solo_dir.mkdir()
@@ -779,6 +797,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "kill_after_rounds": args.kill_after,
         "death_timeout_s": args.death_timeout,
         "heartbeat_s": args.heartbeat,
+        "min_islands": args.min_islands,
         "rows_lost": killed["rows_lost"],
         "rows_duplicated": killed["rows_duplicated"],
         "max_stall_s": killed["max_stall_s"],

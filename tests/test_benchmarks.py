@@ -308,10 +308,13 @@ def test_islands_faults_toy_runs(tmp_path):
     """benchmarks/islands_faults.py --toy: 2 fault-isolated islands under `distrain launch
     --islands`, island 1 SIGKILLed twice mid-round: every row committed once, both kills
     rejoined, and the held-out losses of the arms."""
-    # One unkilled seed (the toy's default is two). Three arms, each a Ray head and its
-    # islands: 161 s alone on a quiet 2-core machine, over 240 s beside the rest of the
-    # suite in CI; the bound is for a hang, not for speed.
-    args = ["--toy", "--seeds", "0", "--data", str(_some_text(tmp_path))]
+    # One unkilled seed (the toy's default is two), 1,024 rows (8 rounds an epoch; the
+    # docs' text holds 13k), and island 0 waits for each rejoin (--min-islands 2: with so
+    # few rounds it could otherwise finish alone while island 1 restarts). Three arms, each
+    # a Ray head and its islands; with all the docs' rows this took 256 s beside the rest
+    # of the suite. The bound is for a hang, not for speed.
+    args = ["--toy", "--seeds", "0", "--rows", "1024", "--min-islands", "2"]
+    args += ["--data", str(_some_text(tmp_path))]
     out = tmp_path / "faults.json"
     result, _ = _run_script("benchmarks.islands_faults", args, out, timeout=540)
     killed = next(a for a in result["arms"] if a["killed"])

@@ -82,29 +82,36 @@ def _collected(end: str, *files: str) -> subprocess.CompletedProcess:
     )
 
 
-@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
-def test_one_end_tests_are_collected_on_their_end_only():
-    files = ("tests/test_launch.py", "tests/test_benchmarks.py")  # newest, lowest
+# Three files: one marked for each end, and one with a split test (test_nn_attention.py).
+COLLECTED = ("tests/test_launch.py", "tests/test_benchmarks.py", "tests/test_nn_attention.py")
+
+
+@pytest.fixture(scope="module")
+def collected() -> dict[str, list[str]]:
+    """The test ids pytest collects from COLLECTED with each DISTRAIN_TEST_END (no end:
+    ""): one collection per end serves both tests below (each is a pytest process)."""
     ids = {}
     for end in ("", "lowest", "newest"):
-        done = _collected(end, *files)
+        done = _collected(end, *COLLECTED)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        ids[end] = {line.split("::")[0] for line in done.stdout.splitlines() if "::" in line}
-    assert ids[""] == set(files)  # no end given: everything runs
-    assert ids["lowest"] == {"tests/test_benchmarks.py"}
-    assert ids["newest"] == {"tests/test_launch.py"}
+        ids[end] = [line for line in done.stdout.splitlines() if "::" in line]
+    return ids
 
 
 @pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
-def test_split_ends_variants_alternate_between_the_ends():
+def test_one_end_tests_are_collected_on_their_end_only(collected):
+    files = {end: {i.split("::")[0] for i in ids} for end, ids in collected.items()}
+    assert files[""] == set(COLLECTED)  # no end given: everything runs
+    launch, benchmarks, attention = COLLECTED  # newest only, lowest only, both
+    assert files["lowest"] == {benchmarks, attention}
+    assert files["newest"] == {launch, attention}
+
+
+@pytest.mark.one_end("lowest")  # a slow test: see tests/conftest.py
+def test_split_ends_variants_alternate_between_the_ends(collected):
     """Each end runs half of a split test's cases, together all of them, none twice."""
     name = "test_split_attention_equals_the_whole_float32"
-    ids = {}
-    for end in ("", "lowest", "newest"):
-        done = _collected(end, "tests/test_nn_attention.py")
-        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-        ids[end] = [line for line in done.stdout.splitlines() if f"::{name}[" in line]
-    every, low, new = ids[""], ids["lowest"], ids["newest"]
+    every, low, new = ([i for i in collected[end] if f"::{name}[" in i] for end in collected)
     assert len(every) >= 4 and set(low) | set(new) == set(every) and not set(low) & set(new)
     assert low == every[0::2] and new == every[1::2]
 

@@ -62,9 +62,9 @@ def test_fit_is_the_islands_loop_with_callbacks_validation_and_backups(local_ray
     train_step, eval_step, state, data = _problem()
     iso = dict(sync_every=2, death_timeout=5.0, heartbeat_interval=0.5, island=0, islands=1)
     reference = dt.experimental.islands.train(
-        train_step, state, data, batch_size=8, directory=str(tmp_path / "ref"), epochs=2, **iso
-    )  # 96 rows x 2 epochs / (8 rows x 2 steps): 12 rounds
-    assert reference.rounds == 12
+        train_step, state, data, batch_size=8, directory=str(tmp_path / "ref"), epochs=1, **iso
+    )  # 96 rows / (8 rows x 2 steps): 6 rounds
+    assert reference.rounds == 6
 
     pipeline = dt.data.ArrayPipeline(data, global_batch_size=8)
     islands = dt.experimental.islands.FaultIsolation(directory=str(tmp_path / "run"), **iso)
@@ -80,31 +80,31 @@ def test_fit_is_the_islands_loop_with_callbacks_validation_and_backups(local_ray
     trainer = dt.Trainer(dt.MirroredStrategy(), train_step, eval_step, callbacks=callbacks,
                          islands=islands)  # fmt: skip
     val = dt.data.ArrayPipeline(data, global_batch_size=16, shuffle=False, num_epochs=1)
-    final, history = trainer.fit(state, pipeline, epochs=2, validation_data=val)
+    final, history = trainer.fit(state, pipeline, epochs=1, validation_data=val)
 
     np.testing.assert_array_equal(np.asarray(final.params["w"]), reference.params["w"])
     events = [json.loads(x) for x in jsonl.read_text().splitlines()]
     epochs = [e for e in events if e["event"] == "epoch"]
-    assert [e["epoch"] for e in epochs] == list(range(12)) == history.epoch
-    assert [e["step"] for e in epochs] == [2 * (r + 1) for r in range(12)]
+    assert [e["epoch"] for e in epochs] == list(range(6)) == history.epoch
+    assert [e["step"] for e in epochs] == [2 * (r + 1) for r in range(6)]
     assert all(np.isfinite(e["loss"]) and np.isfinite(e["val_loss"]) for e in epochs)
-    assert [e["rows"] for e in epochs] == [16] * 12  # one island: every round's 2 x 8 rows
+    assert [e["rows"] for e in epochs] == [16] * 6  # one island: every round's 2 x 8 rows
     # Validation is of the global model a round starts from: round 0's is the initial one.
     initial = trainer.evaluate(state, val)["loss"]
     assert epochs[0]["val_loss"] == pytest.approx(initial, rel=1e-6)
-    assert epochs[-1]["val_loss"] < 0.2 * initial
+    assert epochs[-1]["val_loss"] < 0.5 * initial  # 0.41 x after 5 of 6 rounds
     assert history.history["val_loss"] == pytest.approx([e["val_loss"] for e in epochs])
     # on_train_end gets the validation of the final global parameters.
     assert end.logs["val_loss"] == pytest.approx(trainer.evaluate(final, val)["loss"], rel=1e-6)
-    assert backup.newest_backup == 24  # the last round's end (step 12 x 2) and the end
+    assert backup.newest_backup == 12  # the last round's end (step 6 x 2) and the end
 
     # A second fit of the finished run: the backup gives back the position, and the
     # coordinator (its directory kept) has nothing left: no round is trained.
     again = dt.Trainer(dt.MirroredStrategy(), train_step, eval_step, islands=islands,
                        callbacks=[dt.callbacks.BackupAndRestore(
                            tmp_path / "backup", delete_checkpoint=False)])  # fmt: skip
-    _, history2 = again.fit(state, pipeline, epochs=2)
-    assert again.loop.initial_step == 24 and history2.epoch == history.epoch
+    _, history2 = again.fit(state, pipeline, epochs=1)
+    assert again.loop.initial_step == 12 and history2.epoch == history.epoch
 
     # The backup's inner optimizer state is what the island joins a run with when no
     # peer heals it: a new run from it equals islands.train started from that state.
@@ -117,9 +117,9 @@ def test_fit_is_the_islands_loop_with_callbacks_validation_and_backups(local_ray
         # No saves: this run's steps (round x H) are older than the backup's.
         callbacks=[dt.callbacks.BackupAndRestore(tmp_path / "backup",
                                                  save_freq=10**6)])  # fmt: skip
-    resumed, _ = from_backup.fit(state, pipeline, epochs=2)
+    resumed, _ = from_backup.fit(state, pipeline, epochs=1)
     expected = dt.experimental.islands.train(
-        train_step, restored, data, batch_size=8, directory=str(tmp_path / "ref2"), epochs=2,
+        train_step, restored, data, batch_size=8, directory=str(tmp_path / "ref2"), epochs=1,
         **iso,
     )  # fmt: skip
     np.testing.assert_array_equal(np.asarray(resumed.params["w"]), expected.params["w"])
@@ -131,7 +131,7 @@ def test_fit_is_the_islands_loop_with_callbacks_validation_and_backups(local_ray
 
     # Quantized outer gradients on this path: int8 pseudo-gradients train as float32's do.
     int8 = dt.experimental.islands.train(
-        train_step, state, data, batch_size=8, directory=str(tmp_path / "int8"), epochs=2,
+        train_step, state, data, batch_size=8, directory=str(tmp_path / "int8"), epochs=1,
         outer_dtype="int8", **iso,
     )  # fmt: skip
     assert not np.array_equal(int8.params["w"], reference.params["w"])
@@ -215,7 +215,7 @@ optimizer: {name: adam, learning_rate: 0.003}
 train:
   train_step: examples.classification:classification_train_step
   eval_step: examples.classification:classification_eval_step
-  epochs: 6
+  epochs: 2             # with min_islands: 2 the rejoin cannot miss the rows' end
   log_every: 1
 logging: {dir: LOGS, jsonl: true, progress_bar: false}
 checkpoint: {backup_dir: BACKUPS, backup_freq: epoch}
@@ -282,8 +282,8 @@ def test_distrain_train_with_fault_isolation_survives_a_sigkill(tmp_path):
     assert code == 0 and killed_at is not None, log[-4000:]
     assert "[launch] island 1 process 1 was killed by SIGKILL" in log, log[-4000:]
     assert log.count("[launch] island 0 process 0 is pid") == 1  # island 0 never restarted
-    every_row_6_times = np.arange(1438 * 6)
-    assert np.array_equal(np.sort(committed_rows(str(run))), every_row_6_times)
+    every_row_twice = np.arange(1438 * 2)
+    assert np.array_equal(np.sort(committed_rows(str(run))), every_row_twice)
     assert re.search(r"BackupAndRestore: resumed from the backup of step \d+", log), log[-4000:]
     assert log.count("final test: ") == 2, log[-4000:]  # each island's process 0
     for island in (0, 1):
