@@ -248,6 +248,23 @@ def test_a_damaged_array_store_gives_one_warning_in_a_fresh_process(tmp_path):
         assert "Traceback" not in proc.stderr, proc.stderr[-2000:]
 
 
+def test_ctrl_c_while_orbax_waits_for_a_save_is_not_logged_with_a_traceback(tmp_path, caplog):
+    """orbax logs an ERROR with a traceback (through absl) when Ctrl-C lands while it
+    waits for a save's finalize thread, then re-raises; `distrain train` says it in one
+    line instead (seen once in `test_cli_interruptions_are_one_line_saying_what_was_saved`).
+    A CheckpointManager drops that record and keeps every other exception's."""
+    from absl import logging as absl_logging
+
+    CheckpointManager(tmp_path / "ckpt")  # installs the filter
+    for exc in (KeyboardInterrupt(), ValueError("a real failure")):
+        try:
+            raise exc
+        except BaseException:
+            absl_logging.exception("[wait_until_finished] Save Finalize thread failed.")
+    records = [r for r in caplog.records if r.name == "absl"]
+    assert [type(r.exc_info[1]) for r in records] == [ValueError]
+
+
 def test_only_the_closed_loop_echo_and_tensorstore_futures_are_silenced():
     import asyncio
     import logging

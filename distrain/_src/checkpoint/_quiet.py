@@ -8,6 +8,10 @@ tensorstore still completes the other reads; each completion then calls
 retrieved" with a tensorstore spec dump. Those reads belong to a step that is already
 being reported and set aside, so they are dropped here; every other unraisable
 exception and asyncio message is passed on unchanged.
+
+It also drops orbax's ERROR log with a traceback when Ctrl-C lands while it waits for a
+save to finish: orbax logs the ``KeyboardInterrupt`` and re-raises it, and the one who
+catches it (``distrain train``: one line saying what was saved) reports it.
 """
 
 from __future__ import annotations
@@ -47,8 +51,16 @@ class _UnretrievedReadFilter(logging.Filter):
         return not any(code in text for code in TENSORSTORE_DAMAGE_CODES)  # a damaged step's reads
 
 
+class _InterruptedWaitFilter(logging.Filter):
+    """Drops a log record whose exception is a ``KeyboardInterrupt`` (orbax re-raises it)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not isinstance(exc, KeyboardInterrupt)
+
+
 def install() -> None:
-    """Installs both filters once per process (idempotent)."""
+    """Installs the filters once per process (idempotent)."""
     global _installed
     if _installed:
         return
@@ -61,3 +73,4 @@ def install() -> None:
 
     sys.unraisablehook = hook
     logging.getLogger("asyncio").addFilter(_UnretrievedReadFilter())
+    logging.getLogger("absl").addFilter(_InterruptedWaitFilter())  # orbax logs through absl

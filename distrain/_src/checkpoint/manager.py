@@ -44,7 +44,7 @@ import orbax.checkpoint as ocp
 from etils import epath
 
 from distrain._src import verbosity
-from distrain._src.checkpoint import _directory, _errors, _fingerprint, _layout
+from distrain._src.checkpoint import _directory, _errors, _fingerprint, _layout, _quiet
 from distrain._src.checkpoint import _orbax_internals as _internals
 from distrain._src.checkpoint import local as local_tier
 from distrain._src.checkpoint._layout import LeafInfo
@@ -117,6 +117,7 @@ class CheckpointManager:
         self._max_to_keep = optional_positive_int("max_to_keep", max_to_keep)
         self._interval = positive_int("save_interval_steps", save_interval_steps)
         verbosity.quiet_orbax()  # orbax's INFO log of every save: only with DISTRAIN_VERBOSE
+        _quiet.install()  # Ctrl-C while orbax waits for a save: the caller's line, no traceback
         checked = _directory.check_directory_arg(directory, "CheckpointManager")
         self._directory = epath.Path(checked).absolute()
         self._local = _local_tier(
