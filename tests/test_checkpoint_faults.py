@@ -253,16 +253,26 @@ def test_ctrl_c_while_orbax_waits_for_a_save_is_not_logged_with_a_traceback(tmp_
     waits for a save's finalize thread, then re-raises; `distrain train` says it in one
     line instead (seen once in `test_cli_interruptions_are_one_line_saying_what_was_saved`).
     A CheckpointManager drops that record and keeps every other exception's."""
-    from absl import logging as absl_logging
+    import logging
+    import sys
+
+    import orbax.checkpoint.checkpoint_manager as orbax_manager
 
     CheckpointManager(tmp_path / "ckpt")  # installs the filter
-    for exc in (KeyboardInterrupt(), ValueError("a real failure")):
-        try:
-            raise exc
-        except BaseException:
-            absl_logging.exception("[wait_until_finished] Save Finalize thread failed.")
-    records = [r for r in caplog.records if r.name == "absl"]
-    assert [type(r.exc_info[1]) for r in records] == [ValueError]
+    absl = logging.getLogger("absl")  # orbax's `from absl import logging` logs here
+    for where in (orbax_manager.__file__, __file__):  # orbax's record, and another's
+        for exc in (KeyboardInterrupt(), ValueError("a real failure")):
+            try:
+                raise exc
+            except BaseException:
+                info = sys.exc_info()
+            absl.handle(absl.makeRecord("absl", logging.ERROR, where, 1, "failed.", (), info))
+    records = [(r.pathname, type(r.exc_info[1])) for r in caplog.records if r.name == "absl"]
+    assert records == [
+        (orbax_manager.__file__, ValueError),
+        (__file__, KeyboardInterrupt),
+        (__file__, ValueError),
+    ]
 
 
 def test_only_the_closed_loop_echo_and_tensorstore_futures_are_silenced():

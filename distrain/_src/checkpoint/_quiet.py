@@ -52,11 +52,13 @@ class _UnretrievedReadFilter(logging.Filter):
 
 
 class _InterruptedWaitFilter(logging.Filter):
-    """Drops a log record whose exception is a ``KeyboardInterrupt`` (orbax re-raises it)."""
+    """Drops orbax's log record of a ``KeyboardInterrupt`` (orbax re-raises it); another
+    module's record of one, or orbax's of any other exception, is kept."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         exc = record.exc_info[1] if record.exc_info else None
-        return not isinstance(exc, KeyboardInterrupt)
+        from_orbax = f"{os.sep}orbax{os.sep}" in record.pathname
+        return not (from_orbax and isinstance(exc, KeyboardInterrupt))
 
 
 def install() -> None:
